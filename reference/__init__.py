@@ -1,0 +1,1 @@
+"""NumPy/SciPy reference of speculative rejection sampling (no torch, no transformers)."""

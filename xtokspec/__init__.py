@@ -1,0 +1,1 @@
+"""xtokspec: lossless speculative decoding across mismatched tokenizers."""
