@@ -1,0 +1,189 @@
+"""Exact distributions for speculative decoding, so statistical tests compare against numbers.
+
+Notation as in ``reference.rejection``: p = target, q = proposal (draft), K = num_draft_tokens,
+V = vocabulary size; alpha_i = sum_v min(p_i(v), q_i(v)) is the acceptance probability at
+position i (Leviathan et al. 2023, Definition 3.1 and Lemma 3.3).
+
+Two settings:
+- Fixed per-position tables: p_i and q_i do not depend on the drawn tokens (K+1 and K rows).
+  ``block_output_distribution`` and ``accepted_count_distribution`` give the exact law of one
+  ``speculative_block`` call when draft_tokens[i] ~ q_i independently.
+- Table language models (``TableLM``): next-token probabilities are a table indexed by the last
+  ``order`` tokens, over a tiny vocabulary with an EOS id. ``sequence_distribution`` enumerates
+  every continuation exactly; ``speculative_generate`` runs full speculative decoding with the
+  reference block step, and its empirical law must equal ``sequence_distribution(target_lm, ...)``.
+"""
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.rejection import onehot_block, sample_race, speculative_block
+
+
+def acceptance_probs(target_probs: np.ndarray, proposal_probs: np.ndarray) -> np.ndarray:
+    """alpha (K,): alpha_i = sum_v min(p_i(v), q_i(v)), for p (K+1 or K, V) and q (K, V)."""
+    num_draft_tokens = proposal_probs.shape[0]
+    return np.minimum(target_probs[:num_draft_tokens], proposal_probs).sum(axis=-1)
+
+
+def accepted_count_distribution(target_probs: np.ndarray, proposal_probs: np.ndarray) -> np.ndarray:
+    """P(num_accepted = n) for n = 0..K, shape (K+1,), with fixed tables p (K+1, V), q (K, V).
+
+    Closed form: P(n) = prod_{i<n} alpha_i * (1 - alpha_n) for n < K, and prod_{i<K} alpha_i for n = K.
+    """
+    alpha = acceptance_probs(np.asarray(target_probs, float), np.asarray(proposal_probs, float))  # (K,)
+    reach = np.concatenate([[1.0], np.cumprod(alpha)])  # (K+1,): P(first n positions all accepted)
+    return reach * np.concatenate([1.0 - alpha, [1.0]])
+
+
+def block_output_distribution(target_probs: np.ndarray, proposal_probs: np.ndarray) -> np.ndarray:
+    """Exact law of each output position of one block, shape (K+1, V+1), fixed tables p, q.
+
+    Row j, column v < V: P(the block outputs at least j+1 tokens and token j is v); column V:
+    P(the block ends before position j). Computed from the mechanics (accepted mass min(p, q),
+    plus the rejection mass (1 - alpha) spread over the normalized residual, plus the bonus), so
+    it checks the theorem rather than assuming it. Invariant: row j[:V] == prod_{i<j} alpha_i * p_j;
+    in particular row 0[:V] == p_0.
+    """
+    target_probs = np.asarray(target_probs, dtype=np.float64)  # (K+1, V)
+    proposal_probs = np.asarray(proposal_probs, dtype=np.float64)  # (K, V)
+    num_draft_tokens, vocab_size = proposal_probs.shape
+    alpha = acceptance_probs(target_probs, proposal_probs)  # (K,)
+    reach = np.concatenate([[1.0], np.cumprod(alpha)])  # (K+1,)
+    table = np.zeros((num_draft_tokens + 1, vocab_size + 1))
+    for j in range(num_draft_tokens):
+        p, q = target_probs[j], proposal_probs[j]
+        residual = np.maximum(p - q, 0.0)
+        recovered = residual / residual.sum() if residual.sum() > 0 else residual  # alpha_j = 1 if 0
+        table[j, :vocab_size] = reach[j] * (np.minimum(p, q) + (1.0 - alpha[j]) * recovered)
+    table[-1, :vocab_size] = reach[-1] * target_probs[-1]  # bonus
+    table[:, vocab_size] = 1.0 - reach
+    return table
+
+
+@dataclass(frozen=True, eq=False)
+class TableLM:
+    """A language model given by a table: next-token probs from the last ``order`` tokens.
+
+    ``table`` has shape (V,) * order + (V,): ``table[c_1, ..., c_order]`` is the next-token
+    distribution after context tokens c_1..c_order (oldest first). ``eos_id`` ends a sequence.
+    """
+
+    table: np.ndarray  # (V,)*order + (V,)
+    eos_id: int
+
+    def __post_init__(self):
+        table = np.asarray(self.table, dtype=np.float64)
+        if len(set(table.shape)) != 1 or (table < 0).any():
+            raise ValueError(f"table must be (V,)*order + (V,) and non-negative, got {table.shape}")
+        if np.abs(table.sum(axis=-1) - 1.0).max() > 1e-9:
+            raise ValueError("every row of table must sum to 1")
+        if not 0 <= self.eos_id < table.shape[-1]:
+            raise ValueError(f"eos_id {self.eos_id} outside the vocabulary")
+        object.__setattr__(self, "table", table)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.table.shape[-1]
+
+    @property
+    def order(self) -> int:
+        return self.table.ndim - 1
+
+    def next_probs(self, context: Sequence[int]) -> np.ndarray:
+        """Next-token distribution (V,) after ``context`` (at least ``order`` tokens)."""
+        if len(context) < self.order:
+            raise ValueError(f"context needs at least {self.order} tokens, got {len(context)}")
+        key = tuple(context[len(context) - self.order :])
+        return self.table[key]
+
+    @classmethod
+    def random(
+        cls, vocab_size: int, order: int, eos_id: int, rng: np.random.Generator, concentration: float = 0.5
+    ) -> "TableLM":
+        """A random table, rows ~ Dirichlet(concentration); small concentration gives peaked rows."""
+        shape = (vocab_size,) * order
+        table = rng.dirichlet(np.full(vocab_size, concentration), size=shape)
+        return cls(table.reshape(shape + (vocab_size,)), eos_id)
+
+
+def sequence_distribution(lm: TableLM, prefix: Sequence[int], length: int) -> dict[tuple[int, ...], float]:
+    """Exact law of the next ``length`` tokens after ``prefix``, stopping early after EOS.
+
+    Keys are continuations (an EOS-terminated one may be shorter than ``length``); values sum to 1.
+    """
+    result: dict[tuple[int, ...], float] = {}
+    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
+    while frontier:
+        continuation, prob = frontier.pop()
+        if len(continuation) == length or (continuation and continuation[-1] == lm.eos_id):
+            result[continuation] = result.get(continuation, 0.0) + prob
+            continue
+        next_probs = lm.next_probs(list(prefix) + list(continuation))
+        for token in np.flatnonzero(next_probs).tolist():
+            frontier.append((continuation + (token,), prob * float(next_probs[token])))
+    return result
+
+
+def all_continuations(vocab_size: int, length: int, eos_id: int) -> list[tuple[int, ...]]:
+    """Every continuation of at most ``length`` tokens that is full-length or ends at its first EOS."""
+    out = []
+    for n in range(1, length + 1):
+        for seq in itertools.product(range(vocab_size), repeat=n):
+            if eos_id not in seq[:-1] and (n == length or seq[-1] == eos_id):
+                out.append(seq)
+    return out
+
+
+def truncate_at_eos(tokens: Sequence[int], length: int, eos_id: int) -> tuple[int, ...]:
+    """The first ``length`` tokens, cut just after the first EOS."""
+    tokens = list(tokens[:length])
+    if eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id) + 1]
+    return tuple(tokens)
+
+
+def speculative_generate(
+    target_lm: TableLM,
+    draft_lm: TableLM,
+    prefix: Sequence[int],
+    length: int,
+    num_draft_tokens: int,
+    rng: np.random.Generator,
+    proposal: str = "full",
+) -> tuple[int, ...]:
+    """Speculative decoding over table LMs; returns the first ``length`` tokens (cut after EOS).
+
+    Each block: (1) the draft samples K tokens from its own table; (2) the target scores the K+1
+    positions; (3) ``speculative_block`` (proposal="full": q = the draft's distributions) or
+    ``onehot_block`` (proposal="onehot": the draft tokens as certain guesses) accepts, recovers or
+    adds the bonus; (4) commit and repeat. Invariant: the result is distributed as
+    ``sequence_distribution(target_lm, prefix, length)``.
+    """
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if proposal not in ("full", "onehot"):
+        raise ValueError(f"proposal must be 'full' or 'onehot', got {proposal!r}")
+    vocab_size = target_lm.vocab_size
+    generated: list[int] = []
+    while len(generated) < length and target_lm.eos_id not in generated:
+        context = list(prefix) + generated
+        draft_tokens, proposal_probs = [], []
+        for _ in range(num_draft_tokens):  # (1) draft
+            q = draft_lm.next_probs(context + draft_tokens)  # (V,)
+            draft_tokens.append(sample_race(q, rng.standard_exponential(vocab_size)))
+            proposal_probs.append(q)
+        target_probs = np.stack(  # (2) target, (K+1, V)
+            [target_lm.next_probs(context + draft_tokens[:i]) for i in range(num_draft_tokens + 1)]
+        )
+        uniforms = rng.random(num_draft_tokens)  # (K,)
+        noise = rng.standard_exponential((num_draft_tokens + 1, vocab_size))  # (K+1, V)
+        if proposal == "full":  # (3) verify
+            result = speculative_block(target_probs, np.stack(proposal_probs), draft_tokens, uniforms, noise)
+        else:
+            result = onehot_block(target_probs, draft_tokens, uniforms, noise)
+        generated.extend(result.tokens)  # (4) commit
+    return truncate_at_eos(generated, length, target_lm.eos_id)
