@@ -1,0 +1,112 @@
+"""reference.exact: closed forms checked against brute-force enumeration of every draft and outcome."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from reference.exact import (
+    TableLM,
+    accepted_count_distribution,
+    all_continuations,
+    block_output_distribution,
+    sequence_distribution,
+    speculative_generate,
+)
+
+
+def random_tables(rng, num_draft_tokens, vocab_size, concentration=0.5):
+    alpha = np.full(vocab_size, concentration)
+    return rng.dirichlet(alpha, num_draft_tokens + 1), rng.dirichlet(alpha, num_draft_tokens)
+
+
+def brute_force_block(target, proposal):
+    """{output tokens: probability} of one block, enumerating every draft and every branch."""
+    num_draft_tokens, vocab_size = proposal.shape
+    law: dict[tuple[int, ...], float] = {}
+
+    def add(tokens, prob):
+        law[tokens] = law.get(tokens, 0.0) + prob
+
+    for drafts in itertools.product(range(vocab_size), repeat=num_draft_tokens):
+        prob = np.prod([proposal[i, x] for i, x in enumerate(drafts)])
+        for i, x in enumerate(drafts):
+            accept = min(1.0, target[i, x] / proposal[i, x]) if proposal[i, x] > 0 else 0.0
+            residual = np.maximum(target[i] - proposal[i], 0.0)
+            if accept < 1.0:
+                for v in range(vocab_size):
+                    add(drafts[:i] + (v,), prob * (1 - accept) * residual[v] / residual.sum())
+            prob *= accept
+        for v in range(vocab_size):
+            add(drafts + (v,), prob * target[-1, v])
+    return law
+
+
+@pytest.mark.parametrize("seed, num_draft_tokens, vocab_size", [(0, 1, 3), (1, 3, 4), (2, 2, 5)])
+def test_accepted_count_distribution_matches_enumeration(seed, num_draft_tokens, vocab_size):
+    target, proposal = random_tables(np.random.default_rng(seed), num_draft_tokens, vocab_size)
+    law = brute_force_block(target, proposal)
+    by_count = np.zeros(num_draft_tokens + 1)
+    for tokens, prob in law.items():
+        by_count[len(tokens) - 1] += prob
+    np.testing.assert_allclose(accepted_count_distribution(target, proposal), by_count, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed, num_draft_tokens, vocab_size", [(3, 1, 3), (4, 3, 4), (5, 2, 5)])
+def test_block_output_distribution_matches_enumeration_and_the_theorem(seed, num_draft_tokens, vocab_size):
+    target, proposal = random_tables(np.random.default_rng(seed), num_draft_tokens, vocab_size)
+    exact = block_output_distribution(target, proposal)  # (K+1, V+1)
+    enumerated = np.zeros_like(exact)
+    for tokens, prob in brute_force_block(target, proposal).items():
+        for j in range(num_draft_tokens + 1):
+            enumerated[j, tokens[j] if j < len(tokens) else vocab_size] += prob
+    np.testing.assert_allclose(exact, enumerated, atol=1e-12)
+    # Losslessness: token j is p_j-distributed given the block reaches position j.
+    reach = 1.0 - exact[:, vocab_size]
+    np.testing.assert_allclose(exact[:, :vocab_size], reach[:, None] * target, atol=1e-12)
+    np.testing.assert_allclose(exact[0, :vocab_size], target[0], atol=1e-12)
+
+
+def test_equal_tables_accept_everything():
+    target, _ = random_tables(np.random.default_rng(6), 3, 4)
+    np.testing.assert_allclose(accepted_count_distribution(target, target[:3]), [0, 0, 0, 1], atol=1e-12)
+
+
+def chain_rule_probability(lm, prefix, continuation):
+    prob, context = 1.0, list(prefix)
+    for token in continuation:
+        prob *= lm.next_probs(context)[token]
+        context.append(token)
+    return prob
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_sequence_distribution_is_the_chain_rule_over_all_continuations(order):
+    lm = TableLM.random(4, order, eos_id=0, rng=np.random.default_rng(7))
+    law = sequence_distribution(lm, [1, 2], length=3)
+    outcomes = all_continuations(4, 3, eos_id=0)
+    assert set(law) <= set(outcomes)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    for seq in outcomes:
+        assert law.get(seq, 0.0) == pytest.approx(chain_rule_probability(lm, [1, 2], seq), abs=1e-15)
+
+
+def test_table_lm_validates_its_table():
+    with pytest.raises(ValueError, match="sum to 1"):
+        TableLM(np.full((3, 3), 0.5), eos_id=0)
+    with pytest.raises(ValueError, match="eos_id"):
+        TableLM(np.full((3, 3), 1 / 3), eos_id=3)
+    with pytest.raises(ValueError, match="at least 1 tokens"):
+        TableLM(np.full((3, 3), 1 / 3), eos_id=0).next_probs([])
+
+
+def test_speculative_generate_is_reproducible_and_validates():
+    rng = np.random.default_rng(8)
+    target, draft = TableLM.random(4, 1, 0, rng), TableLM.random(4, 1, 0, rng)
+    runs = [speculative_generate(target, draft, [1], 5, 2, np.random.default_rng(9)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 5 or runs[0][-1] == 0
+    with pytest.raises(ValueError, match="proposal"):
+        speculative_generate(target, draft, [1], 3, 2, rng, proposal="intersection")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(target, draft, [1], 3, 0, rng)
