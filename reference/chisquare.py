@@ -115,6 +115,7 @@ def chisquare_test(
 
 def format_result(result: ChiSquareResult, label: str, bin_labels: Sequence[str] | None = None) -> str:
     """A table of expected vs observed counts per tested bin, then the statistic, dof and p-value."""
+
     def name(group: tuple[int, ...]) -> str:
         names = [bin_labels[b] if bin_labels is not None else str(b) for b in group]
         if len(names) == 1:

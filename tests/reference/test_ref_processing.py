@@ -18,7 +18,9 @@ def test_temperature_divides_logits():
     logits = np.log([1.0, 2.0, 4.0])
     np.testing.assert_allclose(process_logits(logits), [1 / 7, 2 / 7, 4 / 7])
     # T = 2 takes square roots of the weights: 1, sqrt 2, 2.
-    np.testing.assert_allclose(process_logits(logits, temperature=2.0), np.array([1, math.sqrt(2), 2]) / (3 + math.sqrt(2)))
+    np.testing.assert_allclose(
+        process_logits(logits, temperature=2.0), np.array([1, math.sqrt(2), 2]) / (3 + math.sqrt(2))
+    )
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth_value():
@@ -117,9 +119,9 @@ def test_invalid_logits_raise(logits, message):
         greedy(np.array(logits, dtype=np.float64))
 
 
-logit_arrays = st.lists(
-    st.one_of(st.floats(-30, 30), st.just(-np.inf)), min_size=1, max_size=8
-).filter(lambda xs: any(np.isfinite(xs)))
+logit_arrays = st.lists(st.one_of(st.floats(-30, 30), st.just(-np.inf)), min_size=1, max_size=8).filter(
+    lambda xs: any(np.isfinite(xs))
+)
 temperatures = st.floats(0.05, 5.0)
 top_ps = st.floats(1e-6, 1.0)
 

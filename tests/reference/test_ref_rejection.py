@@ -65,7 +65,9 @@ def test_identical_distributions_accept_everything():
     rng = np.random.default_rng(2)
     target, _ = random_tables(rng, 3, 5)
     draft_tokens = [int(rng.choice(5, p=row)) for row in target[:3]]
-    result = speculative_block(target, target[:3], draft_tokens, rng.random(3), rng.standard_exponential((4, 5)))
+    result = speculative_block(
+        target, target[:3], draft_tokens, rng.random(3), rng.standard_exponential((4, 5))
+    )
     assert result.num_accepted == 3 and result.tokens[:3] == draft_tokens
 
 
@@ -111,7 +113,9 @@ def test_invalid_block_inputs_raise(change, message):
     }
     change(args)
     with pytest.raises(ValueError, match=message):
-        speculative_block(args["target"], args["proposal"], args["draft_tokens"], args["uniforms"], args["noise"])
+        speculative_block(
+            args["target"], args["proposal"], args["draft_tokens"], args["uniforms"], args["noise"]
+        )
 
 
 def test_map_proposal_restricts_renormalizes_and_scatter_adds():
