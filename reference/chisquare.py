@@ -108,9 +108,16 @@ def chisquare_test(
         pvalue = float(stats.chi2.sf(statistic, dof))
     pooled = next((tuple(g) for g in groups if len(g) > 1), ())
     return ChiSquareResult(
-        statistic, dof, pvalue, pooled, tuple(tuple(g) for g in groups),
-        observed_pooled, expected_pooled, violations, alpha,
-    )  # fmt: skip
+        statistic=statistic,
+        dof=dof,
+        pvalue=pvalue,
+        pooled_bins=pooled,
+        bins=tuple(tuple(g) for g in groups),
+        observed=observed_pooled,
+        expected=expected_pooled,
+        support_violations=violations,
+        alpha=alpha,
+    )
 
 
 def format_result(result: ChiSquareResult, label: str, bin_labels: Sequence[str] | None = None) -> str:

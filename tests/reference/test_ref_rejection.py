@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reference.rejection import BlockResult, map_proposal, onehot_block, sample_race, speculative_block
 
@@ -139,3 +141,26 @@ def test_map_proposal_restricts_renormalizes_and_scatter_adds():
 def test_map_proposal_invalid_inputs_raise(draft_probs, token_map, message):
     with pytest.raises(ValueError, match=message):
         map_proposal(np.array(draft_probs), np.array(token_map), target_vocab_size=3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 4), st.integers(2, 6))
+def test_block_structure(seed, num_draft_tokens, vocab_size):
+    """Accepted tokens are a prefix of the draft; a recovered token lies in the residual's support."""
+    rng = np.random.default_rng(seed)
+    target, proposal = random_tables(rng, num_draft_tokens, vocab_size, concentration=0.3)
+    draft_tokens = [int(rng.choice(vocab_size, p=row)) for row in proposal]
+    result = speculative_block(
+        target,
+        proposal,
+        draft_tokens,
+        rng.random(num_draft_tokens),
+        rng.standard_exponential((num_draft_tokens + 1, vocab_size)),
+    )
+    n = result.num_accepted
+    assert result.tokens[:n] == draft_tokens[:n] and len(result.tokens) == n + 1
+    assert (result.recovered is None) != (result.bonus is None)
+    if result.recovered is not None:
+        assert target[n, result.recovered] > proposal[n, result.recovered]
+    else:
+        assert n == num_draft_tokens and target[-1, result.bonus] > 0

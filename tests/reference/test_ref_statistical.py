@@ -47,18 +47,18 @@ ALPHA = per_test_alpha(NUM_STATISTICAL_TESTS, budget=REFERENCE_BUDGET)
 NUM_DRAFT_TOKENS, VOCAB_SIZE = 3, 6
 
 
-def check_with_control(exact_probs, correct_counts, wrong_counts, label):
+def check_with_control(exact_probs, correct_counts, wrong_counts, label, bin_labels=None):
     """The correct sampler passes at ALPHA; the wrong one (negative control) must fail the same check."""
-    assert_same_distribution(correct_counts, exact_probs, ALPHA, f"{label}, correct sampler")
+    assert_same_distribution(correct_counts, exact_probs, ALPHA, f"{label}, correct sampler", bin_labels)
     control = chisquare_test(wrong_counts, exact_probs, ALPHA)
-    assert control.rejected, format_result(control, f"{label}, negative control lacks power")
+    assert control.rejected, format_result(control, f"{label}, negative control lacks power", bin_labels)
 
 
 def check_samples_with_control(exact_law, correct_samples, wrong_samples, label):
     """``check_with_control`` for hashable samples (token tuples) against {outcome: prob}."""
-    correct_counts, probs, _ = count_samples(correct_samples, exact_law)
+    correct_counts, probs, bin_labels = count_samples(correct_samples, exact_law)
     wrong_counts, _, _ = count_samples(wrong_samples, exact_law)
-    check_with_control(probs / probs.sum(), correct_counts, wrong_counts, label)
+    check_with_control(probs / probs.sum(), correct_counts, wrong_counts, label, bin_labels)
 
 
 # --- wrong re-implementations (negative controls) -------------------------------------------------
@@ -182,8 +182,9 @@ def test_mapped_proposal_block_first_token_matches_target():
     restricted = draft_probs * (token_map >= 0)
     num_blocks = 4000
     draft_ids = np.argmax(restricted / rng.standard_exponential((num_blocks,) + restricted.shape), axis=-1)
-    randomness = (token_map[draft_ids], rng.random((num_blocks, NUM_DRAFT_TOKENS)),
-                  rng.standard_exponential((num_blocks, NUM_DRAFT_TOKENS + 1, VOCAB_SIZE)))  # fmt: skip
+    uniforms = rng.random((num_blocks, NUM_DRAFT_TOKENS))
+    noise = rng.standard_exponential((num_blocks, NUM_DRAFT_TOKENS + 1, VOCAB_SIZE))
+    randomness = (token_map[draft_ids], uniforms, noise)
     correct, wrong = (
         np.bincount(token_at(run_blocks(correct_block, target, q, randomness), 0), minlength=VOCAB_SIZE + 1)
         for q in (proposal, wrong_proposal)
