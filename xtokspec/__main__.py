@@ -1,0 +1,3 @@
+from xtokspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""The text bridge between two tokenizers. Tokenizers and bytes only: no models, no tensors.
+
+Both token streams are seen as raw UTF-8 bytes. Every token id has the bytes it stands for in the middle of
+a stream (`TokenCodec.token_bytes`): byte-level BPE symbols are mapped back through GPT-2's byte alphabet,
+SentencePiece "▁" is a space and `<0xNN>` is the byte NN, special tokens stand for nothing. The committed
+text is, by definition, the bytes of the committed *target* ids: the target's output is the truth.
+
+Invariants the decoding loop keeps with these helpers:
+- the draft's context is a prefix of the committed bytes that ends on a character boundary, and equals it
+  up to the last complete character (incomplete trailing bytes wait until their character completes);
+- text handed to a tokenizer never ends, or starts, inside a UTF-8 character, so no U+FFFD is introduced;
+- continuations are encoded as fragments: no BOS and no dummy-prefix "▁" (the published llm-jp/open-calm
+  bridge dropped a token with `[1:]` instead), with the boundary fixed at the committed text, because
+  committed tokens can not be re-segmented.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from .types import XTokSpecError
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Probe text every supported tokenizer must round-trip as a fragment (kana, kanji, Latin, spaces, newline).
+_PROBES = ("自然言語処理とは何か", " 東京 と 京都\n", "a  b\tc. Hello, world!", "ｶﾀｶﾅ と ＡＢＣ")
+
+
+def utf8_valid_prefix_len(data: bytes) -> int:
+    """Length of the longest prefix of `data` that is complete, valid UTF-8."""
+    try:
+        data.decode("utf-8")
+        return len(data)
+    except UnicodeDecodeError as err:
+        return err.start
+
+
+def utf8_char_len(first_byte: int) -> int:
+    """Bytes in the UTF-8 character starting with `first_byte` (1 for an invalid lead byte)."""
+    if first_byte >= 0xF0:
+        return 4
+    if first_byte >= 0xE0:
+        return 3
+    if first_byte >= 0xC0:
+        return 2
+    return 1
+
+
+def is_char_boundary(data: bytes, pos: int) -> bool:
+    """True if a character starts at `pos` of `data` (or `pos` is the end)."""
+    return pos >= len(data) or not 0x80 <= data[pos] < 0xC0
+
+
+def _component_types(node: object) -> list[str]:
+    """All "type" values in a tokenizer.json component tree (decoders and normalizers nest in Sequences)."""
+    if isinstance(node, dict):
+        return [node.get("type", "")] + [t for v in node.values() for t in _component_types(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _component_types(v)]
+    return []
+
+
+def _strip_prefix_space(node: object) -> object:
+    """Copy of a normalizer/pre-tokenizer tree with dummy-prefix insertion turned off."""
+    if isinstance(node, list):
+        return [_strip_prefix_space(v) for v in node if not (isinstance(v, dict) and v.get("type") == "Prepend")]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "Prepend":
+        return None
+    out = {k: _strip_prefix_space(v) for k, v in node.items()}
+    if out.get("type") == "Metaspace":
+        out["prepend_scheme"] = "never"
+        out.pop("add_prefix_space", None)
+    if out.get("type") == "ByteLevel":
+        out["add_prefix_space"] = False
+    return out
+
+
+def fragment_tokenizer(backend: Tokenizer) -> Tokenizer:
+    """A copy of `backend` that encodes continuations: no dummy prefix, no post-processor specials."""
+    spec = json.loads(backend.to_str())
+    spec["normalizer"] = _strip_prefix_space(spec.get("normalizer"))
+    spec["pre_tokenizer"] = _strip_prefix_space(spec.get("pre_tokenizer"))
+    spec["post_processor"] = None
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+class TokenCodec:
+    """One tokenizer seen as bytes: id -> raw bytes, and fragment encoding without BOS or dummy prefix."""
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, name: str = "tokenizer"):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise XTokSpecError(f"{name}: xtokspec needs a fast (tokenizers-backed) tokenizer, got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
+        self.name = name
+        self.vocab_size = max(vocab_size or 0, len(tokenizer))
+        spec = json.loads(backend.to_str())
+        self.kind = self._kind(spec)
+        self.special_ids = self._special_ids(tokenizer)
+        self.token_bytes = self._token_bytes_table()  # list[bytes]; b"" for special and unused ids
+        self.byte_ids = {tb[0]: i for i, tb in reversed(list(enumerate(self.token_bytes))) if len(tb) == 1}
+        self._fragment = fragment_tokenizer(backend)
+        self._check_round_trip()
+
+    @staticmethod
+    def _kind(spec: dict) -> str:
+        types = _component_types(spec.get("decoder")) + _component_types(spec.get("pre_tokenizer"))
+        if "ByteLevel" in types:
+            return "byte_level"
+        if {"Metaspace", "ByteFallback", "Replace"} & set(types):
+            return "sentencepiece"
+        return "plain"
+
+    @staticmethod
+    def _special_ids(tokenizer) -> set[int]:
+        ids = set(tokenizer.all_special_ids)
+        ids |= {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+        return ids
+
+    def _token_bytes_table(self) -> list[bytes]:
+        byte_decoder = None
+        if self.kind == "byte_level":
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        table = [b""] * self.vocab_size
+        for i, piece in enumerate(pieces):
+            if i in self.special_ids or piece is None:
+                continue
+            if i in added:  # added tokens are literal text in every tokenizer kind
+                table[i] = added[i].encode("utf-8")
+            elif byte_decoder is not None:
+                table[i] = bytes(byte_decoder.get(c, 0) for c in piece)
+            elif self.kind == "sentencepiece" and (m := _BYTE_PIECE.match(piece)):
+                table[i] = bytes([int(m.group(1), 16)])
+            elif self.kind == "sentencepiece":
+                table[i] = piece.replace("\u2581", " ").encode("utf-8")
+            else:
+                table[i] = piece.encode("utf-8")
+        return table
+
+    def _check_round_trip(self) -> None:
+        for probe in _PROBES:
+            ids = self.encode_fragment(probe)
+            got = self.bytes_of(ids)
+            if got != probe.encode("utf-8"):
+                raise XTokSpecError(
+                    f"{self.name}: cannot map its tokens to text (tokenizer kind {self.kind!r}): fragment "
+                    f"{probe!r} encodes to {ids} which stand for {got!r}; xtokspec supports byte-level BPE and "
+                    "SentencePiece-style tokenizers whose tokens concatenate to the text"
+                )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The tokenizer's own default encoding (BOS where it adds one), as `tokenizer(text)` gives."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of `text` as a continuation: no specials, no dummy prefix."""
+        return self._fragment.encode(text, add_special_tokens=False).ids
+
+    def bytes_of(self, ids: Sequence[int]) -> bytes:
+        """The raw bytes a run of ids stands for (specials stand for nothing)."""
+        table = self.token_bytes
+        return b"".join(table[i] for i in ids)
+
+    def encode_exact(self, text: str) -> list[int]:
+        """Fragment ids of `text`, cut before the first token whose bytes differ from the text (e.g. <unk>)."""
+        ids = self.encode_fragment(text)
+        data = text.encode("utf-8")
+        pos = 0
+        for n, i in enumerate(ids):
+            piece = self.token_bytes[i]
+            if not piece or data[pos : pos + len(piece)] != piece:
+                return ids[:n]
+            pos += len(piece)
+        return ids
+
+    def encode_stream(self, text: str) -> tuple[list[int], list[int]]:
+        """Fragment ids of `text` and, per id, the end offset (in bytes of `text`) of what it covers.
+
+        Ids that do not stand for their text (an <unk> for a character the tokenizer cannot encode) are
+        charged the text their character offsets cover, so the stream still lines up with `text`.
+        """
+        enc = self._fragment.encode(text, add_special_tokens=False)
+        data = text.encode("utf-8")
+        ends, pos = [], 0
+        exact = True
+        for i in enc.ids:
+            piece = self.token_bytes[i]
+            exact = exact and bool(piece) and data[pos : pos + len(piece)] == piece
+            pos += len(piece)
+            ends.append(pos)
+        if exact and pos == len(data):
+            return enc.ids, ends
+        # Fallback through character offsets (an id covering no new characters covers nothing).
+        char_end = [len(text[:e].encode("utf-8")) for _, e in enc.offsets]
+        ends = [max(char_end[: n + 1]) for n in range(len(char_end))]
+        if ends and ends[-1] != len(data):
+            raise XTokSpecError(f"{self.name}: cannot align the encoding of {text!r} with the text")
+        return enc.ids, ends
+
+
+@dataclass(frozen=True)
+class TokenMap:
+    """Draft id -> target id with the same bytes (-1 where none), for proposals in the target vocabulary."""
+
+    draft_to_target: list[int]
+    mapped_draft_share: float  # share of (non-special) draft ids that map
+    mapped_target_share: float  # share of (non-special) target ids that some draft id maps to
+
+
+def build_token_map(draft: TokenCodec, target: TokenCodec, eos_pairs: Sequence[tuple[int, int]] = ()) -> TokenMap:
+    """Match draft and target tokens by the raw bytes they stand for (byte-normalized, not raw strings).
+
+    Byte-level 'Ġ', SentencePiece '▁' and `<0xNN>` pieces are all compared as bytes. Where the target has
+    several ids for the same bytes, the one its own encoder would produce is chosen. `eos_pairs` maps the
+    draft's end-of-sequence ids onto the target's.
+    """
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, tb in enumerate(target.token_bytes):
+        if tb:
+            by_bytes.setdefault(tb, []).append(i)
+    mapping = [-1] * draft.vocab_size
+    for d, tb in enumerate(draft.token_bytes):
+        candidates = by_bytes.get(tb) if tb else None
+        if not candidates:
+            continue
+        if len(candidates) > 1 and utf8_valid_prefix_len(tb) == len(tb):
+            canonical = target.encode_fragment(tb.decode("utf-8"))
+            mapping[d] = canonical[0] if len(canonical) == 1 and canonical[0] in candidates else candidates[0]
+        else:
+            mapping[d] = candidates[0]
+    for d, t in eos_pairs:
+        mapping[d] = t
+    draft_regular = [d for d, tb in enumerate(draft.token_bytes) if tb]
+    target_regular = sum(1 for tb in target.token_bytes if tb)
+    hit_targets = {mapping[d] for d in draft_regular if mapping[d] >= 0}
+    return TokenMap(
+        draft_to_target=mapping,
+        mapped_draft_share=sum(mapping[d] >= 0 for d in draft_regular) / max(1, len(draft_regular)),
+        mapped_target_share=len(hit_targets) / max(1, target_regular),
+    )
+
+
+def propose_target_ids(target: TokenCodec, pending: bytes, drafted: bytes) -> list[int]:
+    """Target ids for drafted bytes that continue committed text ending in the incomplete character `pending`.
+
+    The draft's context stops before `pending`, so its drafted bytes must restate them; the bytes that complete
+    that character become the target's single-byte pieces, the rest is encoded as a fragment up to its last
+    complete character (an incomplete tail waits for the next round).
+    """
+    if not drafted.startswith(pending):
+        return []
+    rest = drafted[len(pending) :]
+    ids: list[int] = []
+    if pending:
+        need = utf8_char_len(pending[0]) - len(pending)
+        if len(rest) < need or any(b not in target.byte_ids for b in rest[:need]):
+            return []
+        ids = [target.byte_ids[b] for b in rest[:need]]
+        rest = rest[need:]
+    complete = utf8_valid_prefix_len(rest)
+    if complete:
+        ids += target.encode_exact(rest[:complete].decode("utf-8"))
+    return ids
+
+
+def common_prefix_len(a: bytes, b: bytes, start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that they agree on [0, start)."""
+    n = min(len(a), len(b))
+    if a[start:n] == b[start:n]:
+        return n
+    lo, hi = start, n  # invariant: agree on [0, lo), differ somewhere in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class TextSync:
+    """The committed text (bytes of the committed target ids) and the draft's view of it.
+
+    `draft_ends[n]` is the end offset, in `committed`, of the bytes of the draft's n-th continuation id. The
+    draft's view always ends on a character boundary and covers `committed` up to its last complete
+    character; `pending` is the rest (an incomplete character the draft has not been shown).
+    """
+
+    def __init__(self, target: TokenCodec, draft: TokenCodec):
+        self.target, self.draft = target, draft
+        self.committed = b""
+        self.draft_ends: list[int] = []
+
+    @property
+    def synced(self) -> int:
+        return self.draft_ends[-1] if self.draft_ends else 0
+
+    @property
+    def pending(self) -> bytes:
+        return self.committed[self.synced :]
+
+    def propose(self, drafted: list[int], eos_candidate: int | None = None) -> list[int]:
+        """Target ids for the drafted draft ids; `eos_candidate` is appended when the draft ended its text."""
+        drafted_bytes = self.draft.bytes_of(drafted)
+        proposals = propose_target_ids(self.target, self.pending, drafted_bytes)
+        if eos_candidate is not None and self.target.bytes_of(proposals) == drafted_bytes[len(self.pending) :]:
+            proposals.append(eos_candidate)
+        return proposals
+
+    def commit(self, new_target_ids: list[int], drafted: list[int]) -> tuple[int, list[int]]:
+        """Append committed target ids; -> (draft continuation ids to keep, draft ids to append after them).
+
+        The draft's continuation was its synced ids followed by `drafted`; the kept ones are those whose bytes
+        agree with the committed text and end on a character boundary, the appended ones encode the rest of
+        the committed text up to its last complete character.
+        """
+        table = self.draft.token_bytes
+        cut = next((n for n, i in enumerate(drafted) if not table[i]), len(drafted))
+        drafted = drafted[:cut]  # NOTE: a drafted special (EOS) stands for no text and is never kept
+        synced = self.synced
+        self.committed += self.target.bytes_of(new_target_ids)
+        ends = self.draft_ends + [synced + e for e in _cumulative(self.draft.token_bytes, drafted)]
+        draft_bytes = self.committed[:synced] + self.draft.bytes_of(drafted)
+        complete = utf8_valid_prefix_len(self.committed)
+        agree = min(common_prefix_len(draft_bytes, self.committed, synced), complete)
+        keep = bisect_right(ends, agree)
+        while keep > len(self.draft_ends) and not is_char_boundary(self.committed, ends[keep - 1]):
+            keep -= 1
+        keep = max(keep, len(self.draft_ends))
+        self.draft_ends = ends[:keep]
+        start = self.synced
+        if complete <= start:
+            return keep, []
+        ids, rel_ends = self.draft.encode_stream(self.committed[start:complete].decode("utf-8"))
+        self.draft_ends += [start + e for e in rel_ends]
+        return keep, ids
+
+
+def _cumulative(table: list[bytes], ids: list[int]) -> list[int]:
+    """Running end offsets of the bytes of `ids`."""
+    out, pos = [], 0
+    for i in ids:
+        pos += len(table[i])
+        out.append(pos)
+    return out

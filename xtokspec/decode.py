@@ -1,0 +1,402 @@
+"""The speculative loop across tokenizers: `XTokSpec(large, small).generate(prompt)`.
+
+One cycle (Leviathan et al. 2023, Algorithm 1, with a text bridge in the middle):
+  1. draft K tokens with the small model (greedy, or sampled with the target's own logits processing);
+  2. move them onto the target vocabulary: the same ids (same tokenizer), the ids with identical bytes
+     ("intersection"), or the drafted text re-encoded as a fragment ("onehot" / greedy);
+  3. one target forward over the uncommitted ids plus the proposals (K+1 logits rows);
+  4. accept a prefix of the proposals, then emit one *recovered* (first rejection) or *bonus* token;
+  5. commit; roll both KV caches back to the committed text (the draft keeps the drafted tokens whose
+     bytes agree with it and re-encodes only the rest).
+Invariant after every cycle: the target's ids are exactly what it would have produced alone (greedy: equal
+ids; sampling: equal distribution), and the draft's context is the committed text up to its last complete
+character.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from . import sampling
+from .bridge import TextSync, TokenCodec, build_token_map
+from .cache import ModelState
+from .models import load
+from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError
+
+# generation_config fields whose non-neutral values add logits processors xtokspec does not implement.
+_NEUTRAL = {
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "sequence_bias": (None,),
+    "min_p": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "num_beams": (None, 1),
+}
+# transformers' defaults for sampling fields a generation_config leaves unset.
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+class DraftLengthPolicy:
+    """Chooses K each cycle to maximise expected committed tokens per second from measured costs.
+
+    With per-token acceptance a and m proposals, a cycle commits (1 - a^(m+1)) / (1 - a) tokens on average
+    (Leviathan et al. 2023, eq. 1) and costs K draft steps plus one verification whose cost grows linearly
+    with m. a, the cost of a draft step, the verification cost line and the proposals per draft token are
+    all measured online with exponential forgetting.
+    """
+
+    def __init__(self, config: SpecConfig, decay: float = 0.9):
+        self.config = config
+        self.decay = decay
+        self.k = config.num_draft_tokens
+        self.successes, self.failures = 1.0, 1.0  # acceptance evidence (a Beta(1, 1) prior)
+        self.draft_step = None  # seconds per draft forward
+        self.verify = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums: n, m, m^2, t, m*t  (t = verify seconds)
+        self.proposals_per_draft = 1.0
+        self.cycles = 0
+
+    def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        d = self.decay
+        self.cycles += 1
+        self.successes = d * self.successes + accepted
+        self.failures = d * self.failures + (1.0 if accepted < proposed else 0.0)
+        if drafted:
+            step = draft_s / drafted
+            self.draft_step = step if self.draft_step is None else d * self.draft_step + (1 - d) * step
+            self.proposals_per_draft = d * self.proposals_per_draft + (1 - d) * proposed / drafted
+        m = float(proposed)
+        for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
+            self.verify[i] = d * self.verify[i] + v
+
+    def _verify_cost(self, m: float) -> float:
+        n, sm, smm, st, smt = self.verify
+        var = smm / n - (sm / n) ** 2
+        slope = max(0.0, (smt / n - (sm / n) * (st / n)) / var) if var > 1e-9 else 0.0
+        return st / n + slope * (m - sm / n)
+
+    def next_k(self) -> int:
+        if not self.config.adaptive or self.cycles < 3 or self.draft_step is None:
+            return self.k
+        a = min(self.successes / (self.successes + self.failures), 0.999)
+        best, best_rate = 1, 0.0
+        for k in range(1, self.config.max_draft_tokens + 1):
+            m = self.proposals_per_draft * k
+            rate = (1 - a ** (m + 1)) / (1 - a) / (k * self.draft_step + max(self._verify_cost(m), 1e-6))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        self.k = best
+        return best
+
+
+class XTokSpec:
+    """Lossless speculative decoding of `large` (the target) with `small` (the draft), any two tokenizers.
+
+    `large` and `small` are each a local folder or hub id (loaded with `large_kwargs` / `small_kwargs`, e.g.
+    dtype, device_map) or an already loaded `(model, tokenizer)` pair. The models may sit on different devices.
+    """
+
+    def __init__(self, large, small, *, config: SpecConfig | None = None, large_kwargs=None, small_kwargs=None):
+        self.config = config or SpecConfig()
+        self.target_model, self.target_tokenizer = load(large, "target (large)", **(large_kwargs or {}))
+        self.draft_model, self.draft_tokenizer = load(small, "draft (small)", **(small_kwargs or {}))
+        self.target = TokenCodec(self.target_tokenizer, self.target_model.config.vocab_size, "target tokenizer")
+        self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, "draft tokenizer")
+        self.target_eos = _eos_ids(self.target_model, self.target_tokenizer)
+        self.draft_eos = _eos_ids(self.draft_model, self.draft_tokenizer)
+        self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
+        self._token_map = None
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
+
+        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive.
+        """
+        stats = GenerationStats()
+        token_ids: list[int] = []
+        for new_ids in self._cycles(prompt, max_new_tokens, stats, **kwargs):
+            token_ids += new_ids
+        stop = "eos" if token_ids and token_ids[-1] in self.target_eos else "length"
+        text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+        return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stop)
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
+        """Yield the continuation's text as soon as it is verified (whole characters only)."""
+        token_ids: list[int] = []
+        shown = ""
+        for new_ids in self._cycles(prompt, max_new_tokens, stats or GenerationStats(), **kwargs):
+            token_ids += new_ids
+            text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+            stable = text.rstrip("\ufffd")  # an incomplete trailing character decodes to U+FFFD: wait for it
+            if len(stable) > len(shown) and stable.startswith(shown):
+                yield stable[len(shown) :]
+                shown = stable
+        text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+        if text != shown:
+            yield text[len(shown) :] if text.startswith(shown) else text
+
+    @property
+    def token_map(self):
+        """Byte-normalized draft -> target token map (built on first use)."""
+        if self._token_map is None:
+            pairs = [(d, min(self.target_eos)) for d in self.draft_eos] if self.target_eos else []
+            self._token_map = build_token_map(self.draft, self.target, pairs)
+        return self._token_map
+
+    def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None) -> SamplingParams:
+        """Sampling parameters as the target's `generate` would resolve them from its generation_config."""
+        gc = self.target_model.generation_config
+        bad = {k: getattr(gc, k, None) for k, ok in _NEUTRAL.items() if getattr(gc, k, None) not in ok}
+        if bad:
+            raise XTokSpecError(
+                f"the target's generation_config sets {bad}, which add logits processors xtokspec does not "
+                "implement; set them to neutral values (e.g. model.generation_config.repetition_penalty = 1.0)"
+            )
+
+        def pick(name, value):
+            if value is not None:
+                return value
+            value = getattr(gc, name, None)
+            return _SAMPLING_DEFAULTS[name] if value is None else value
+
+        do_sample = bool(gc.do_sample) if do_sample is None else do_sample
+        return SamplingParams(
+            do_sample=do_sample, temperature=pick("temperature", temperature), top_k=pick("top_k", top_k),
+            top_p=pick("top_p", top_p), seed=seed,
+        )
+
+    # ---------------------------------------------------------------- the loop
+    def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
+        if not isinstance(prompt, str):
+            raise XTokSpecError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not prompt:
+            raise XTokSpecError("prompt is empty: give at least one character of text to continue")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        target_ids = self.target.encode_prompt(prompt)
+        limit = getattr(self.target_model.config, "max_position_embeddings", None)
+        if limit and len(target_ids) >= limit:
+            raise XTokSpecError(
+                f"prompt is {len(target_ids)} target tokens, but the target's context is {limit} positions"
+            )
+        draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(prompt)
+        return target_ids, draft_ids
+
+    def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
+                top_p=None, seed=None, proposal=None, num_draft_tokens=None, adaptive=None) -> Iterator[list[int]]:
+        params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
+        config = self.config
+        if num_draft_tokens is not None or adaptive is not None:
+            config = SpecConfig(
+                num_draft_tokens=num_draft_tokens or config.num_draft_tokens,
+                max_draft_tokens=max(config.max_draft_tokens, num_draft_tokens or 0),
+                adaptive=config.adaptive if adaptive is None else adaptive,
+                proposal=config.proposal, min_mapped_mass=config.min_mapped_mass,
+            )
+        kind = self._proposal_kind(params, proposal or config.proposal)
+        stats.proposal = kind
+        with torch.inference_mode():
+            yield from _Run(self, params, config, kind, stats).cycles(target_ids, draft_ids, max_new_tokens)
+
+    def _proposal_kind(self, params: SamplingParams, proposal: str) -> str:
+        if proposal not in ("auto", "onehot", "intersection"):
+            raise XTokSpecError(f"proposal must be 'auto', 'onehot' or 'intersection', got {proposal!r}")
+        if self.same_vocab:
+            return "same-tokenizer"
+        if not params.do_sample:
+            return "greedy-bridge"
+        if proposal == "auto":
+            return "intersection" if self.token_map.mapped_draft_share >= self.config.min_mapped_mass else "onehot"
+        return proposal
+
+
+class _Run:
+    """State of one generate call: both models' ids and caches, the committed bytes, generators, stats."""
+
+    def __init__(self, spec: XTokSpec, params: SamplingParams, config: SpecConfig, kind: str, stats: GenerationStats):
+        self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
+        self.policy = DraftLengthPolicy(config)
+        self.warpers = sampling.build_warpers(params)
+        self.target_limit = getattr(spec.target_model.config, "max_position_embeddings", None) or 1 << 30
+        self.draft_limit = getattr(spec.draft_model.config, "max_position_embeddings", None) or 1 << 30
+        self.sync = TextSync(spec.target, spec.draft)
+        if params.do_sample:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.target_gen = self._generator(spec.target_model, seed)
+            self.draft_gen = self._generator(spec.draft_model, seed + 1)
+        if kind == "intersection":
+            t_map = torch.tensor(spec.token_map.draft_to_target)  # (Vd,)
+            self.draft_to_target = t_map
+            self.mapped_mask = (t_map >= 0).to(self.draft_device)  # (Vd,)
+
+    @property
+    def draft_device(self) -> torch.device:
+        return self.spec.draft_model.get_input_embeddings().weight.device
+
+    @staticmethod
+    def _generator(model, seed: int) -> torch.Generator:
+        device = model.get_input_embeddings().weight.device
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int) -> Iterator[list[int]]:
+        stats, spec = self.stats, self.spec
+        target = ModelState(spec.target_model, target_ids)
+        draft = ModelState(spec.draft_model, draft_ids)
+        self.draft_prompt_len = len(draft_ids)
+        produced = 0
+        start = time.perf_counter()
+        while produced < max_new_tokens:
+            remaining = max_new_tokens - produced
+            k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
+            t0 = time.perf_counter()
+            drafted, draft_rows, eos_drafted = self._draft(draft, max(k, 0))
+            t1 = time.perf_counter()
+            proposals, proposal_probs = self._bridge(drafted, draft_rows, eos_drafted)
+            proposals = proposals[: max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))]
+            if proposal_probs is not None:
+                proposal_probs = proposal_probs[: len(proposals)]
+            t2 = time.perf_counter()
+            num_accepted, next_token = self._verify(target, proposals, proposal_probs)
+            t3 = time.perf_counter()
+            new_ids = proposals[:num_accepted] + [next_token]
+            for n, token in enumerate(new_ids):
+                if token in spec.target_eos:
+                    new_ids = new_ids[: n + 1]
+                    break
+            new_ids = new_ids[:remaining]
+            target.truncate(len(target.ids) - len(proposals) + num_accepted)
+            target.ids.append(next_token)
+            self._resync(draft, drafted, new_ids)
+            t4 = time.perf_counter()
+            produced += len(new_ids)
+            self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
+            stats.wall_seconds = time.perf_counter() - start
+            yield new_ids
+            if new_ids[-1] in spec.target_eos or len(target.ids) >= self.target_limit:
+                return
+
+    def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s) -> None:
+        s = self.stats
+        s.target_forwards += 1
+        s.draft_forwards += drafted
+        s.drafted += proposed
+        s.accepted += accepted
+        s.new_tokens += committed
+        s.draft_seconds += draft_s
+        s.bridge_seconds += bridge_s
+        s.verify_seconds += verify_s
+        s.draft_lengths.append(drafted)
+        self.policy.update(drafted, proposed, accepted, draft_s, verify_s)
+
+    # ---------------------------------------------------------------- 1. draft
+    def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
+        """Sample k draft tokens -> (ids, their sampling distributions when needed, stopped at EOS)."""
+        ids: list[int] = []
+        rows: list[torch.Tensor] = []
+        restrict = self.kind == "intersection" and not self.sync.pending
+        keep_rows = self.kind in ("same-tokenizer", "intersection") and self.params.do_sample
+        for _ in range(k):
+            logits = draft.forward(keep=1)  # (1, Vd)
+            if not self.params.do_sample:
+                token = int(torch.argmax(logits[0]))
+            else:
+                probs = sampling.logits_to_probs(logits, self.warpers)[0]  # (Vd,)
+                if restrict:
+                    probs = probs * self.mapped_mask
+                    if float(probs.sum()) <= 0:
+                        break  # NOTE: no mapped token has mass: stop drafting rather than divide by 0
+                    probs = probs / probs.sum()
+                noise = sampling.exponential_noise(probs.shape, self.draft_gen, probs.device)
+                token = int(sampling.race(probs, noise))
+                if keep_rows:
+                    rows.append(probs)
+            draft.ids.append(token)
+            ids.append(token)
+            if token in self.spec.draft_eos:
+                return ids, rows, True
+        return ids, rows, False
+
+    # ---------------------------------------------------------------- 2. bridge
+    def _bridge(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
+        """Drafted ids -> (target proposal ids, proposal distributions (K, Vt) or None for one-hot)."""
+        spec = self.spec
+        target_vocab = spec.target_model.config.vocab_size
+        if self.kind == "same-tokenizer":
+            probs = torch.stack(rows).to(self._target_logits_device()) if rows else None
+            if probs is not None and probs.shape[-1] != target_vocab:
+                probs = _resize_vocab(probs, target_vocab)
+            return list(drafted), probs
+        if self.kind == "intersection" and not self.sync.pending and rows:
+            t_map = self.draft_to_target
+            proposals = [int(t_map[d]) for d in drafted[: len(rows)]]
+            stacked = torch.stack(rows)  # (K, Vd)
+            probs = torch.zeros(len(rows), target_vocab, device=stacked.device, dtype=stacked.dtype)
+            probs.index_add_(1, t_map.to(stacked.device).clamp(min=0), stacked * self.mapped_mask)
+            return proposals, probs.to(self._target_logits_device())
+        # NOTE: the draft's EOS becomes a target EOS candidate (BOS never appears mid-stream).
+        eos_candidate = min(spec.target_eos) if eos and spec.target_eos else None
+        return self.sync.propose(drafted[:-1] if eos else drafted, eos_candidate), None
+
+    def _target_logits_device(self) -> torch.device:
+        return self.spec.target_model.get_output_embeddings().weight.device
+
+    # ---------------------------------------------------------------- 3-4. verify
+    def _verify(self, target: ModelState, proposals: list[int], proposal_probs) -> tuple[int, int]:
+        target.ids.extend(proposals)
+        logits = target.forward(keep=len(proposals) + 1)  # (K+1, Vt)
+        proposal_ids = torch.tensor(proposals, dtype=torch.long, device=logits.device)  # (K,)
+        if not self.params.do_sample:
+            return sampling.verify_greedy(logits, proposal_ids)
+        target_probs = sampling.logits_to_probs(logits, self.warpers)  # (K+1, Vt)
+        gen = self.target_gen
+        uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)
+        num_accepted = sampling.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
+        dist = sampling.next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
+        noise = sampling.exponential_noise(dist.shape, gen, gen.device).to(dist.device)
+        return num_accepted, int(sampling.race(dist, noise))
+
+    # ---------------------------------------------------------------- 5. commit
+    def _resync(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:
+        """Bring the draft's context back to the committed text, keeping the drafted ids that agree with it."""
+        if self.kind == "same-tokenizer":
+            base = len(draft.ids) - len(drafted)
+            agree = 0
+            while agree < min(len(drafted), len(new_ids)) and drafted[agree] == new_ids[agree]:
+                agree += 1
+            draft.truncate(base + agree)
+            draft.ids.extend(new_ids[agree:])
+            return
+        keep, extra = self.sync.commit(new_ids, drafted)
+        draft.truncate(self.draft_prompt_len + keep)
+        draft.ids.extend(extra)
+
+
+def _resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
+    """Pad (with zeros) or cut the last dimension to `size` (draft and target embeddings may be padded differently)."""
+    if probs.shape[-1] >= size:
+        return probs[..., :size]
+    return torch.nn.functional.pad(probs, (0, size - probs.shape[-1]))

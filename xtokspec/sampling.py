@@ -1,0 +1,137 @@
+"""Pure tensor functions for speculative verification (greedy and sampled).
+
+Notation (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"): p is the
+target distribution, q the proposal (draft) distribution; Chen et al. 2023 swap the letters. In code the
+names say it: `target_probs` (p), `proposal_probs` (q, already on the target vocabulary).
+
+Shapes: K = number of proposed tokens, Vt = target vocabulary, Vd = draft vocabulary.
+
+The rule, per position i < K with proposed token x_i: accept iff u_i * q_i(x_i) < p_i(x_i) (u ~ U[0,1), i.e.
+u < p/q without a division). At the first rejection the *recovered* token is drawn from the residual
+max(0, p_i - q_i) (normalised); if all K are accepted the *bonus* token is drawn from p_K. The emitted token
+is then distributed exactly as p at every position. A one-hot proposal (q_i = e_{x_i}) gives: accept with
+probability p_i(x_i), else draw from p_i with x_i removed.
+
+Sampling is an exponential race: argmax(probs / E) with E ~ Exp(1) iid draws a token with probability
+proportional to probs, so normalisation is never needed and the noise is an explicit tensor that
+`reference/` can replay.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .types import SamplingParams, XTokSpecError
+
+
+def build_warpers(params: SamplingParams) -> LogitsProcessorList:
+    """transformers' own warpers, in transformers' order: temperature, top-k, top-p."""
+    warpers = LogitsProcessorList()
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p))
+    return warpers
+
+
+def logits_to_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
+    """(N, V) raw logits -> (N, V) float32 probabilities after the warpers, as transformers samples them."""
+    scores = logits.float()
+    if not torch.isfinite(scores).any(dim=-1).all():
+        raise XTokSpecError("model produced a row of logits with no finite value (all -inf or NaN)")
+    if torch.isnan(scores).any():
+        raise XTokSpecError("model produced NaN logits")
+    scores = warpers(None, scores)  # transformers' warpers ignore input_ids
+    return torch.softmax(scores, dim=-1)  # (N, V)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: (..., V) probs and Exp(1) noise -> (...) sampled ids. Zero-probability ids never win."""
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """iid Exp(1) noise drawn from `generator` (which must live on `device`)."""
+    return torch.empty(shape, device=device).exponential_(generator=generator)
+
+
+def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor) -> tuple[int, int]:
+    """(K+1, Vt) logits and (K,) proposals -> (num_accepted, next_token).
+
+    Accepts the longest prefix of proposals equal to the target's argmax; next_token is the argmax at the first
+    mismatch (the *recovered* token) or after the last proposal (the *bonus* token).
+    """
+    target_argmax = torch.argmax(target_logits, dim=-1)  # (K+1,)
+    k = proposal_ids.shape[0]
+    mismatch = (target_argmax[:k] != proposal_ids).nonzero()
+    num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
+    return num_accepted, int(target_argmax[num_accepted])
+
+
+def count_accepted(
+    target_probs: torch.Tensor,
+    proposal_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+    proposal_probs: torch.Tensor | None = None,
+) -> int:
+    """Number of leading proposals accepted by u_i * q_i(x_i) < p_i(x_i); q one-hot when proposal_probs is None.
+
+    target_probs (K+1, Vt) or (K, Vt); proposal_ids (K,); uniforms (K,); proposal_probs (K, Vt) or None.
+    """
+    k = proposal_ids.shape[0]
+    if k == 0:
+        return 0
+    rows = torch.arange(k, device=target_probs.device)
+    p_x = target_probs[rows, proposal_ids]  # (K,)
+    q_x = torch.ones_like(p_x) if proposal_probs is None else proposal_probs[rows, proposal_ids]
+    # NOTE: a proposed token must have q > 0 (the draft drew it); q = 0 here means the map is wrong.
+    if proposal_probs is not None and bool((q_x <= 0).any()):
+        raise XTokSpecError("a proposed token has zero proposal probability: the token map is inconsistent")
+    rejected = (uniforms * q_x >= p_x).nonzero()
+    return int(rejected[0, 0]) if rejected.numel() else k
+
+
+def next_token_distribution(
+    target_probs: torch.Tensor,
+    proposal_ids: torch.Tensor,
+    num_accepted: int,
+    proposal_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(Vt,) unnormalised distribution of the token emitted after `num_accepted` acceptances.
+
+    All accepted: the bonus distribution p_K. Otherwise the residual max(0, p_i - q_i) at the rejected
+    position i (one-hot q: p_i with the rejected token zeroed).
+    """
+    i = num_accepted
+    if i == proposal_ids.shape[0]:
+        return target_probs[i]
+    if proposal_probs is None:
+        residual = target_probs[i].clone()
+        residual[proposal_ids[i]] = 0.0
+    else:
+        residual = torch.clamp(target_probs[i] - proposal_probs[i], min=0.0)
+    if not bool((residual > 0).any()):
+        # NOTE: only reachable through rounding when p == q; the rejection itself had probability ~0.
+        return target_probs[i]
+    return residual
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,
+    proposal_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    proposal_probs: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """Speculative sampling step -> (num_accepted, next_token). noise is (K+1, Vt) Exp(1); row i is used."""
+    num_accepted = count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
+    dist = next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
+    return num_accepted, int(race(dist, noise[num_accepted]))

@@ -1,0 +1,113 @@
+"""Plain data: sampling parameters, decoding config, per-call statistics and results.
+
+Nothing here knows about torch or transformers; every other module imports from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PROPOSAL_KINDS = ("auto", "onehot", "intersection")
+
+
+class XTokSpecError(ValueError):
+    """Bad input or an unsupported model/tokenizer: the message names the problem."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next token is chosen; the meaning is transformers' `generate`.
+
+    With do_sample=False decoding is greedy (argmax of the raw logits). With do_sample=True the logits go
+    through temperature, then top-k (0 disables), then top-p (1.0 disables), then softmax.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0  # > 0; divides the logits
+    top_k: int = 0  # keep tokens whose logit >= the k-th largest (ties kept); 0 = off
+    top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p; 1.0 = off
+    seed: int | None = None  # seeds this call's generators; None draws from torch's global RNG
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise XTokSpecError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if not self.do_sample:
+            return
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise XTokSpecError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature <= 0:
+            raise XTokSpecError(
+                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy"
+            )
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise XTokSpecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise XTokSpecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation knobs; defaults are the ones the benchmarks found best on the fixture pair."""
+
+    num_draft_tokens: int = 4  # K at the start (and always, when adaptive=False)
+    max_draft_tokens: int = 12  # upper bound for the adaptive choice of K
+    adaptive: bool = True  # choose K each cycle from measured costs and acceptance
+    proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto"
+    min_mapped_mass: float = 0.5  # "auto" picks intersection while the draft puts >= this mass on mapped tokens
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise XTokSpecError(
+                f"need 1 <= num_draft_tokens <= max_draft_tokens, got {self.num_draft_tokens}, {self.max_draft_tokens}"
+            )
+        if self.proposal not in PROPOSAL_KINDS:
+            raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
+
+
+@dataclass
+class GenerationStats:
+    """Counters and wall-clock split of one `generate` call."""
+
+    target_forwards: int = 0  # verifier calls (one per cycle)
+    draft_forwards: int = 0  # draft model calls
+    drafted: int = 0  # target-vocabulary tokens proposed to the verifier
+    accepted: int = 0  # of those, accepted
+    new_tokens: int = 0  # target tokens committed
+    draft_seconds: float = 0.0
+    bridge_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge")
+    draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "draft_lengths"}
+        out.update(acceptance_rate=self.acceptance_rate, tokens_per_cycle=self.tokens_per_cycle)
+        return out
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_seconds:.2f}s ({self.target_forwards} target calls, "
+            f"{self.tokens_per_cycle:.2f} tokens/call); accepted {self.accepted}/{self.drafted} "
+            f"({self.acceptance_rate:.0%}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
+            f"verify {self.verify_seconds:.2f}s"
+        )
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What `XTokSpec.generate` returns."""
+
+    text: str  # decoded continuation (target tokenizer, special tokens skipped), prompt excluded
+    token_ids: list[int]  # target-tokenizer ids of the continuation, EOS included if it stopped there
+    stats: GenerationStats
+    stop_reason: str  # "eos" or "length"
