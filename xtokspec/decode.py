@@ -249,9 +249,8 @@ class _Run:
             self.target_gen = self._generator(spec.target_model, seed)
             self.draft_gen = self._generator(spec.draft_model, seed + 1)
         if kind == "intersection":
-            t_map = torch.tensor(spec.token_map.draft_to_target)  # (Vd,)
-            self.draft_to_target = t_map
-            self.mapped_mask = (t_map >= 0).to(self.draft_device)  # (Vd,)
+            self.draft_to_target = torch.tensor(spec.token_map.draft_to_target, device=self.draft_device)  # (Vd,)
+            self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
 
     @property
     def draft_device(self) -> torch.device:
@@ -352,10 +351,8 @@ class _Run:
             return list(drafted), probs
         if self.kind == "intersection" and not self.sync.pending and rows:
             t_map = self.draft_to_target
-            proposals = [int(t_map[d]) for d in drafted[: len(rows)]]
-            stacked = torch.stack(rows)  # (K, Vd)
-            probs = torch.zeros(len(rows), target_vocab, device=stacked.device, dtype=stacked.dtype)
-            probs.index_add_(1, t_map.to(stacked.device).clamp(min=0), stacked * self.mapped_mask)
+            proposals = t_map[drafted[: len(rows)]].tolist()
+            probs = sampling.map_to_target(torch.stack(rows), t_map, target_vocab)  # (K, Vt)
             return proposals, probs.to(self._target_logits_device())
         # NOTE: the draft's EOS becomes a target EOS candidate (BOS never appears mid-stream).
         eos_candidate = min(spec.target_eos) if eos and spec.target_eos else None

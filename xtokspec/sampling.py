@@ -63,6 +63,22 @@ def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device
     return torch.empty(shape, device=device).exponential_(generator=generator)
 
 
+def map_to_target(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """(K, Vd) draft distributions restricted to mapped ids -> (K, Vt) proposal distributions.
+
+    draft_to_target (Vd,) holds the target id with the same bytes, or -1. Several draft ids may map to one
+    target id; their mass adds up. Rows are renormalised over the mapped ids.
+    """
+    mapped = draft_to_target >= 0  # (Vd,)
+    restricted = draft_probs * mapped  # (K, Vd)
+    mass = restricted.sum(dim=-1, keepdim=True)  # (K, 1)
+    if bool((mass <= 0).any()):
+        raise XTokSpecError("the draft put no probability on tokens that exist in the target vocabulary")
+    out = torch.zeros(draft_probs.shape[0], target_vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
+    out.index_add_(1, draft_to_target.clamp(min=0), restricted / mass)  # (K, Vt)
+    return out
+
+
 def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor) -> tuple[int, int]:
     """(K+1, Vt) logits and (K,) proposals -> (num_accepted, next_token).
 

@@ -1,0 +1,191 @@
+"""The text bridge on tiny hand-built vocabularies and, with hypothesis, on the fixture tokenizers."""
+
+from __future__ import annotations
+
+import pytest
+import vocabs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xtokspec.bridge import (
+    TextSync,
+    TokenCodec,
+    build_token_map,
+    common_prefix_len,
+    propose_target_ids,
+    utf8_valid_prefix_len,
+)
+from xtokspec.types import XTokSpecError
+
+
+@pytest.fixture(scope="module")
+def sp():
+    return TokenCodec(vocabs.sp_tokenizer(), name="tiny-sp")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return TokenCodec(vocabs.bpe_tokenizer(), name="tiny-bpe")
+
+
+def pieces(codec: TokenCodec, ids: list[int]) -> list[str]:
+    return codec.tokenizer.convert_ids_to_tokens(ids)
+
+
+def sp_id(codec: TokenCodec, piece: str) -> int:
+    return codec.tokenizer.convert_tokens_to_ids(piece)
+
+
+def test_token_bytes_follow_each_tokenizer_kind(sp, bpe):
+    assert sp.kind == "sentencepiece" and bpe.kind == "byte_level"
+    assert sp.token_bytes[sp_id(sp, "▁ab")] == b" ab"
+    assert sp.token_bytes[sp_id(sp, "<0xE3>")] == b"\xe3"
+    assert sp.token_bytes[sp_id(sp, "東京")] == "東京".encode()
+    assert sp.token_bytes[sp.tokenizer.bos_token_id] == b""  # specials stand for no text
+    (a_id,) = bpe.encode_fragment(" a")
+    assert pieces(bpe, [a_id]) == ["Ġa"] and bpe.token_bytes[a_id] == b" a"
+    assert bpe.byte_ids[0xE6] == bpe.tokenizer.convert_tokens_to_ids("æ")
+
+
+def test_fragments_have_no_bos_and_no_dummy_prefix(sp):
+    assert pieces(sp, sp.encode_prompt("東京")) == ["<s>", "▁", "東京"]
+    assert pieces(sp, sp.encode_fragment("東京")) == ["東京"]
+    assert pieces(sp, sp.encode_fragment(" ab")) == ["▁ab"]
+    assert sp.bytes_of(sp.encode_fragment("東京 ab")) == "東京 ab".encode()
+
+
+def test_boundary_is_kept_when_appended_text_would_merge(sp, bpe):
+    """Committed "東" + drafted "京": the target can not re-segment into "東京"; propose "京" after it."""
+    sync = TextSync(sp, bpe)
+    keep, extra = sync.commit([sp_id(sp, "東")], drafted=[])
+    assert (keep, bpe.bytes_of(extra)) == (0, "東".encode())
+    proposals = sync.propose(bpe.encode_fragment("京都"))
+    assert pieces(sp, proposals) == ["京", "都"]
+
+
+def test_one_draft_token_spans_two_target_tokens(sp, bpe):
+    (kyoto,) = bpe.encode_fragment("京都")  # one BPE token, two SentencePiece pieces
+    proposals = propose_target_ids(sp, b"", bpe.token_bytes[kyoto])
+    assert pieces(sp, proposals) == ["京", "都"]
+
+
+def test_incomplete_character_is_held_back(sp, bpe):
+    """A draft ending inside a UTF-8 character proposes only the complete characters before it."""
+    drafted = bpe.encode_fragment("東") + [bpe.byte_ids[0xE4], bpe.byte_ids[0xBA]]  # 京 = E4 BA AC, cut short
+    proposals = TextSync(sp, bpe).propose(drafted)
+    assert pieces(sp, proposals) == ["東"]
+    assert "\ufffd" not in sp.tokenizer.decode(proposals)
+
+
+def test_pending_partial_character_completed_with_byte_pieces(sp, bpe):
+    """The target committed the first two bytes of 𠮷 (F0 A0 AE B7); the draft restates the character."""
+    sync = TextSync(sp, bpe)
+    keep, extra = sync.commit([sp_id(sp, "<0xF0>"), sp_id(sp, "<0xA0>")], drafted=[])
+    assert (keep, extra, sync.pending) == (0, [], b"\xf0\xa0")  # the draft is not shown half a character
+    proposals = sync.propose(bpe.encode_fragment("𠮷野"))
+    assert pieces(sp, proposals) == ["<0xAE>", "<0xB7>", "野"]
+    keep, extra = sync.commit(proposals, drafted=bpe.encode_fragment("𠮷野"))
+    assert bpe.bytes_of(extra) == b"" and keep == len(bpe.encode_fragment("𠮷野"))
+    assert sync.committed.decode() == "𠮷野"
+
+
+def test_pending_mismatch_proposes_nothing(sp, bpe):
+    sync = TextSync(sp, bpe)
+    sync.commit([sp_id(sp, "<0xF0>")], drafted=[])
+    assert sync.propose(bpe.encode_fragment("東京")) == []
+
+
+def test_commit_keeps_agreeing_draft_tokens_and_reencodes_the_rest(sp, bpe):
+    sync = TextSync(sp, bpe)
+    drafted = bpe.encode_fragment("東京 ab")  # 東京 | Ġa | b
+    keep, extra = sync.commit([sp_id(sp, "東京"), sp_id(sp, "▁ab"), sp_id(sp, "野")], drafted)
+    assert keep == 3 and bpe.bytes_of(extra) == "野".encode()  # all drafted kept, the correction re-encoded
+    keep, extra = sync.commit([sp_id(sp, "家")], drafted=bpe.encode_fragment("東"))
+    assert keep == 4 and bpe.bytes_of(extra) == "家".encode()  # the disagreeing draft token is dropped
+
+
+def test_drafted_eos_becomes_a_candidate_and_is_never_kept(sp, bpe):
+    sync = TextSync(sp, bpe)
+    eos_d, eos_t = bpe.tokenizer.eos_token_id, sp.tokenizer.eos_token_id
+    drafted = bpe.encode_fragment("東京")
+    assert pieces(sp, sync.propose(drafted, eos_candidate=eos_t)) == ["東京", "</s>"]
+    keep, extra = sync.commit([sp_id(sp, "東京"), sp_id(sp, "都")], drafted + [eos_d])
+    assert keep == len(drafted) and bpe.bytes_of(extra) == "都".encode()
+    incomplete = drafted + [bpe.byte_ids[0xE4]]  # text not fully proposable: no EOS candidate after it
+    assert eos_t not in TextSync(sp, bpe).propose(incomplete, eos_candidate=eos_t)
+
+
+def test_token_map_compares_bytes_not_strings(sp, bpe):
+    tmap = build_token_map(bpe, sp, eos_pairs=[(0, 2)])
+    (tokyo,) = bpe.encode_fragment("東京")
+    (space_a,) = bpe.encode_fragment(" a")
+    assert tmap.draft_to_target[tokyo] == sp_id(sp, "東京")
+    assert tmap.draft_to_target[space_a] == sp_id(sp, "▁a")  # 'Ġa' and '▁a' are both b" a"
+    assert tmap.draft_to_target[bpe.byte_ids[0xE4]] == sp_id(sp, "<0xE4>")
+    assert tmap.draft_to_target[0] == 2
+    # transformers' raw-string intersection (space marker swapped) matches no Japanese token of this pair:
+    raw = {p.replace("Ġ", "▁") for p in bpe.tokenizer.get_vocab()} & set(sp.tokenizer.get_vocab())
+    assert not any(any(ord(c) > 0x3000 for c in p) for p in raw)
+
+
+def test_unsupported_tokenizer_is_named():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    with pytest.raises(XTokSpecError, match="wordy: cannot map its tokens to text"):
+        TokenCodec(wrapped, name="wordy")
+
+
+def test_utf8_helpers():
+    data = "a東".encode()
+    assert [utf8_valid_prefix_len(data[:n]) for n in range(5)] == [0, 1, 1, 1, 4]
+    assert utf8_valid_prefix_len(b"ab\x80cd") == 2  # an invalid byte stops the valid prefix
+    assert common_prefix_len(b"abcdef", b"abcxef") == 3 and common_prefix_len(b"ab", b"abc") == 2
+
+
+# ---------------------------------------------------------------- properties on the fixture tokenizers
+HOSTILE = "𠮷𩸽😀👨‍👩‍👧ｶﾞｷﾞＡＢＣか\u3099 \t\n  abc{}();自然言語処理東京"
+texts = st.text(alphabet=st.sampled_from(HOSTILE) | st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def fixture_codecs(sp_tokenizer, bpe_tokenizer):
+    return TokenCodec(sp_tokenizer, name="ja-sp"), TokenCodec(bpe_tokenizer, name="ja-bpe")
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=texts, cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30), noise=st.lists(st.booleans(), max_size=30))
+def test_sync_invariants_on_random_unicode(fixture_codecs, text, cuts, noise):
+    """Over random cycles: committed == bytes of target ids, the draft's context == committed text up to its
+    last complete character, proposals restate drafted text, and the bridge never introduces U+FFFD."""
+    target, draft = fixture_codecs
+    target_ids = target.encode_fragment(text)
+    truth = target.bytes_of(target_ids)
+    sync = TextSync(target, draft)
+    draft_cont: list[int] = []
+    done = 0
+    for n, cut in enumerate(cuts):
+        if done >= len(target_ids):
+            break
+        seen_by_draft = truth[sync.synced :].decode("utf-8", errors="ignore")  # synced is a char boundary
+        guess = seen_by_draft[: cut + 2] if not (n < len(noise) and noise[n]) else "x" + seen_by_draft[:cut]
+        drafted = draft.encode_fragment(guess)
+        drafted_bytes = draft.bytes_of(drafted)
+        proposals = sync.propose(drafted)
+        if drafted_bytes.startswith(sync.pending):
+            assert drafted_bytes[len(sync.pending) :].startswith(target.bytes_of(proposals))
+        else:
+            assert proposals == []
+        new = target_ids[done : done + cut]
+        done += len(new)
+        keep, extra = sync.commit(new, drafted)
+        draft_cont = (draft_cont + drafted)[:keep] + extra
+        assert sync.committed == truth[: len(sync.committed)] == target.bytes_of(target_ids[:done])
+        complete = utf8_valid_prefix_len(sync.committed)
+        assert draft.bytes_of(draft_cont) == sync.committed[:complete]
+        assert "\ufffd" not in sync.committed[:complete].decode("utf-8") or "\ufffd" in text
+    if done == len(target_ids):
+        assert sync.committed.decode("utf-8") == text

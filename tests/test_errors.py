@@ -1,0 +1,78 @@
+"""Bad input: a clear XTokSpecError naming the problem, never a stack trace from deep inside."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_llama
+
+from xtokspec import XTokSpec, XTokSpecError
+
+
+@pytest.mark.parametrize(
+    "prompt,kwargs,match",
+    [
+        ("", {}, "prompt is empty"),
+        (None, {}, "prompt must be a str, got NoneType"),
+        (["東京"], {}, "prompt must be a str, got list"),
+        ("東京", {"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+        ("東京", {"max_new_tokens": -3}, "max_new_tokens must be a positive integer"),
+        ("東京", {"max_new_tokens": 2.5}, "max_new_tokens must be a positive integer"),
+        ("東京", {"do_sample": True, "temperature": 0}, "temperature must be > 0"),
+        ("東京", {"do_sample": True, "top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ("東京", {"do_sample": True, "top_k": -2}, "top_k must be an integer >= 0"),
+        ("東京", {"do_sample": True, "proposal": "magic"}, "proposal must be"),
+    ],
+)
+def test_bad_arguments_are_named(tiny_spec, prompt, kwargs, match):
+    with pytest.raises(XTokSpecError, match=match):
+        tiny_spec.generate(prompt, **kwargs)
+
+
+def test_prompt_longer_than_the_target_context(tiny_spec):
+    with pytest.raises(XTokSpecError, match=r"prompt is \d+ target tokens, but the target's context is 256"):
+        tiny_spec.generate("東京" * 400, max_new_tokens=4)
+
+
+def test_generation_close_to_the_context_limit_stops_cleanly(tiny_spec):
+    prompt = "東京"
+    while len(tiny_spec.target.encode_prompt(prompt + "東京")) < 250:
+        prompt += "東京"
+    n_prompt = len(tiny_spec.target.encode_prompt(prompt))
+    result = tiny_spec.generate(prompt, max_new_tokens=500)
+    assert n_prompt + len(result.token_ids) <= 256
+
+
+def test_unsupported_generation_config_is_named(sp_tokenizer, bpe_tokenizer):
+    target = tiny_llama(sp_tokenizer, seed=5)
+    target.generation_config.repetition_penalty = 1.2
+    spec = XTokSpec((target, sp_tokenizer), (tiny_llama(sp_tokenizer, layers=1, seed=6), sp_tokenizer))
+    with pytest.raises(XTokSpecError, match="repetition_penalty"):
+        spec.generate("東京", max_new_tokens=2)
+
+
+def test_wrong_model_argument_is_named():
+    with pytest.raises(XTokSpecError, match=r"target \(large\): expected a path, a hub id or a \(model, tokenizer\) pair"):
+        XTokSpec(42, "x")
+    with pytest.raises(XTokSpecError, match="could not load '/nonexistent/model'"):
+        XTokSpec("/nonexistent/model", "/nonexistent/draft")
+
+
+def test_draft_without_eos_and_text_it_cannot_encode(sp_tokenizer, tiny_target):
+    """A draft tokenizer with no EOS and no byte fallback: output still equals the target's own."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = [("<unk>", 0.0), ("▁", -2.0)] + [(c, -3.0) for c in "東京都のはにをでがあいう"]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    draft_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    draft_model = tiny_llama(draft_tok, layers=1, seed=7)
+    draft_model.generation_config.eos_token_id = None
+    # The probes of TokenCodec need characters this vocabulary lacks: the error names the draft tokenizer.
+    with pytest.raises(XTokSpecError, match="draft tokenizer: cannot map its tokens to text"):
+        XTokSpec(tiny_target, (draft_model, draft_tok))
+    target, tokenizer = tiny_target
+    with torch.inference_mode():
+        ids = target.generate(**tokenizer("𠮷", return_tensors="pt"), do_sample=False, max_new_tokens=12)
+    assert ids.shape[1] > 2
