@@ -1,0 +1,320 @@
+"""`xtokspec bench`: bridged vs same-tokenizer speculative decoding against the target alone and transformers.
+
+Systems run interleaved in one process, prompt by prompt, after a warm-up, so that machine noise hits all
+of them alike; each speedup is the ratio of the target-alone time to the system's time on the same prompt,
+and figures are medians over prompts with their interquartile range. Target and draft calls are counted with
+forward hooks, so transformers' own assisted generation gets the same counters as xtokspec.
+
+Theory: with per-token acceptance a, K proposals per cycle, a cycle commits (1 - a^(K+1)) / (1 - a) tokens
+(Leviathan et al. 2023) and costs K draft steps plus one verification; "of theory" is the measured speedup
+over that bound computed from the measured per-call costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .models import FIXTURE_DRAFT_BPE, FIXTURE_DRAFT_SAME, FIXTURE_TARGET, FIXTURES
+from .types import SpecConfig
+
+PROMPTS_FILE = FIXTURES.parent / "data" / "prompts.txt"
+REAL_PROMPTS = ["自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
+                "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
+
+
+@dataclass
+class Counter:
+    """Counts forward calls of a model with a hook."""
+
+    calls: int = 0
+
+    def hook(self, module, args, kwargs, output):
+        self.calls += 1
+
+
+@dataclass
+class Run:
+    system: str
+    mode: str
+    prompt: int
+    seconds: float
+    new_tokens: int
+    target_calls: int
+    draft_calls: int
+    stats: dict = field(default_factory=dict)  # xtokspec's own GenerationStats, when it is xtokspec
+
+
+@dataclass
+class Models:
+    target: tuple
+    draft_same: tuple | None
+    draft_cross: tuple | None
+    cross_label: str = "bridged"
+    draft_cross_hf: tuple | None = None  # a private copy of draft_cross for transformers' universal mode
+
+    def __post_init__(self):
+        if self.draft_cross and self.draft_cross_hf is None:
+            import copy
+
+            self.draft_cross_hf = (copy.deepcopy(self.draft_cross[0]), self.draft_cross[1])
+
+
+def load_preset(preset: str, dtype: torch.dtype) -> Models:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+
+    if preset == "fixtures":
+        return Models(load(FIXTURE_TARGET), load(FIXTURE_DRAFT_SAME), load(FIXTURE_DRAFT_BPE))
+    from .assets import real_model_dir
+
+    models = Models(load(real_model_dir("qwen2.5-coder-1.5b")), load(real_model_dir("qwen2.5-coder-0.5b")),
+                    load(real_model_dir("gemma-3-270m")), cross_label="bridged-gemma")
+    for model, _ in (models.target, models.draft_same):
+        model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
+    return models
+
+
+def sampling_kwargs(mode: str) -> dict:
+    if mode == "greedy":
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(mode.removeprefix("T="))}
+
+
+def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed) -> dict:
+    """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None)."""
+    t_model, t_tok = models.target
+    kw = sampling_kwargs(mode)
+
+    def hf(assistant=None, universal=False):
+        def run(prompt, n, seed):
+            torch.manual_seed(seed)
+            inputs = t_tok(prompt, return_tensors="pt").to(t_model.device)
+            extra = {}
+            if assistant is not None:
+                extra["assistant_model"] = assistant[0]
+                if universal:
+                    extra.update(tokenizer=t_tok, assistant_tokenizer=assistant[1])
+            with torch.inference_mode():
+                out = t_model.generate(**inputs, max_new_tokens=n, **kw, **extra)
+            return out[0, inputs["input_ids"].shape[1]:].tolist(), None
+        return run
+
+    def ours(spec, **extra):
+        def run(prompt, n, seed):
+            result = spec.generate(prompt, max_new_tokens=n, seed=seed, **kw, **extra)
+            return result.token_ids, result.stats
+        return run
+
+    systems = {"target": hf()}
+    if models.draft_same:
+        systems["hf-assisted"] = hf(models.draft_same)
+        systems["xtokspec-same"] = ours(spec_same)
+    if models.draft_cross:
+        # NOTE: transformers' universal sampler replaces the assistant's embedding module in place, so it
+        # gets its own copy of the draft (same weights) and cannot break the draft the others use.
+        systems["hf-universal"] = hf(models.draft_cross_hf or models.draft_cross, universal=True)
+        if kw["do_sample"]:
+            systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
+            systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
+        else:
+            systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
+            systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
+    return systems
+
+
+def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
+                  progress: bool = True) -> list[Run]:
+    from tqdm.auto import tqdm
+
+    from .decode import XTokSpec
+
+    t_model = models.target[0]
+    spec_same = XTokSpec(models.target, models.draft_same) if models.draft_same else None
+    spec_cross = XTokSpec(models.target, models.draft_cross) if models.draft_cross else None
+    spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
+                  if models.draft_cross else None)
+    counters = {"target": Counter(), "draft": Counter()}
+    handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]
+    for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf):
+        if pair:
+            handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
+    runs: list[Run] = []
+    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed)) for m in modes) * len(prompts)
+    bar = tqdm(total=total, desc="bench", disable=not progress)
+    try:
+        for mode in modes:
+            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed)
+            for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
+                fn(prompts[0], 8, 0)
+            for p_index, prompt in enumerate(prompts):
+                order = list(systems.items())
+                random.Random(p_index).shuffle(order)  # interleaved, in a different order per prompt
+                for name, fn in order:
+                    for c in counters.values():
+                        c.calls = 0
+                    start = time.perf_counter()
+                    ids, stats = fn(prompt, max_new_tokens, 1000 + p_index)
+                    seconds = time.perf_counter() - start
+                    runs.append(Run(name, mode, p_index, seconds, len(ids), counters["target"].calls,
+                                    counters["draft"].calls, stats.as_dict() if stats else {}))
+                    bar.set_postfix_str(f"{mode} {name}")
+                    bar.update()
+    finally:
+        bar.close()
+        for h in handles:
+            h.remove()
+    return runs
+
+
+def _median_iqr(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), q[0], q[2]
+
+
+def theoretical_speedup(stats: dict, target_step: float) -> float | None:
+    """Speedup the measured acceptance and per-call costs allow: tokens per cycle over cost per cycle."""
+    if not stats or not stats["target_forwards"] or not stats["drafted"]:
+        return None
+    cycles = stats["target_forwards"]
+    k = stats["drafted"] / cycles  # proposals per cycle
+    a = min(stats["accepted"] / stats["drafted"], 0.999)
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    cost = (stats["draft_seconds"] + stats["verify_seconds"]) / cycles
+    return tokens / (cost / target_step)
+
+
+def summarize(runs: list[Run]) -> list[dict]:
+    """One row per (mode, system) with medians over prompts and spreads."""
+    rows = []
+    target_time = {(r.mode, r.prompt): r.seconds for r in runs if r.system == "target"}
+    target_step = {(r.mode, r.prompt): r.seconds / max(r.new_tokens, 1) for r in runs if r.system == "target"}
+    for mode in dict.fromkeys(r.mode for r in runs):
+        for system in dict.fromkeys(r.system for r in runs if r.mode == mode):
+            sel = [r for r in runs if r.mode == mode and r.system == system]
+            speedups = [target_time[(mode, r.prompt)] / r.seconds for r in sel]
+            med, lo, hi = _median_iqr(speedups)
+            row = {
+                "mode": mode, "system": system, "prompts": len(sel),
+                "tokens_per_s": statistics.median(r.new_tokens / r.seconds for r in sel),
+                "speedup": med, "speedup_q1": lo, "speedup_q3": hi, "speedups": speedups,
+                "tokens_per_target_call": statistics.median(r.new_tokens / max(r.target_calls, 1) for r in sel),
+                "target_calls_per_token": statistics.median(r.target_calls / max(r.new_tokens, 1) for r in sel),
+            }
+            ours = [r for r in sel if r.stats]
+            if ours:
+                row["acceptance_rate"] = statistics.median(r.stats["acceptance_rate"] for r in ours)
+                row["bridge_share"] = statistics.median(r.stats["bridge_seconds"] / r.seconds for r in ours)
+                theory = [theoretical_speedup(r.stats, target_step[(mode, r.prompt)]) for r in ours]
+                shares = [s / t for s, t in zip(speedups, theory, strict=True) if t]
+                row["theory_speedup"] = statistics.median(t for t in theory if t) if shares else None
+                row["of_theory"] = statistics.median(shares) if shares else None
+            rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    def fmt(v, spec=".2f"):
+        return "–" if v is None else format(v, spec)
+
+    lines = ["| mode | system | tokens/s | speedup (IQR) | accept | tokens/target call | target calls/token "
+             "| bridge share | theory | of theory |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+            f"({r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}) | {fmt(r.get('acceptance_rate'))} "
+            f"| {r['tokens_per_target_call']:.2f} | {r['target_calls_per_token']:.2f} "
+            f"| {fmt(r.get('bridge_share'), '.1%')} | {fmt(r.get('theory_speedup'))} | {fmt(r.get('of_theory'), '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 4.2), sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        sel = [r for r in rows if r["mode"] == mode]
+        ax.boxplot([r["speedups"] for r in sel], vert=True)
+        ax.set_xticks(range(1, len(sel) + 1), [r["system"] for r in sel], rotation=60, ha="right", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(mode)
+    axes[0][0].set_ylabel("speedup over the target alone (per prompt)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    temps = [m for m in modes if m.startswith("T=")]
+    if temps:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        xs = [float(m[2:]) for m in temps]
+        for system in dict.fromkeys(r["system"] for r in rows if r["mode"] in temps and r["system"] != "target"):
+            ys = [next((r["speedup"] for r in rows if r["mode"] == m and r["system"] == system), None) for m in temps]
+            ax.plot(xs, ys, marker="o", label=system)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("sampling temperature (draft samples at the target's temperature)")
+        ax.set_ylabel("median speedup over the target alone")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "speedup_vs_temperature.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads) if args.threads else None
+    dtype = getattr(torch, args.dtype)
+    models = load_preset(args.preset, dtype)
+    if args.preset == "fixtures":
+        prompts = [p for p in PROMPTS_FILE.read_text(encoding="utf-8").splitlines() if p][: args.prompts]
+    else:
+        prompts = REAL_PROMPTS[: args.prompts]
+    runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress)
+    rows = summarize(runs)
+    out = Path(args.out) / args.preset
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": "cpu", "command": "xtokspec bench " + " ".join(args.argv)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": [r.__dict__ for r in runs]},
+                                                 indent=1, ensure_ascii=False))
+    (out / "table.md").write_text(table + "\n")
+    plot(rows, out, f"xtokspec bench ({args.preset}, {args.max_new_tokens} new tokens, CPU)")
+    print(table)
+    print(f"\nwritten: {out}/results.json, table.md, speedup*.png")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmark xtokspec against the target alone and transformers")
+    bench.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
+    bench.add_argument("--modes", nargs="+", default=["greedy", "T=0.3", "T=0.7", "T=1.0"])
+    bench.add_argument("--prompts", type=int, default=12)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench.add_argument("--out", default="benchmarks")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=main_bench)
