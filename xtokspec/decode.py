@@ -15,6 +15,7 @@ character.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -211,11 +212,11 @@ class XTokSpec:
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
         config = self.config
         if num_draft_tokens is not None or adaptive is not None:
-            config = SpecConfig(
+            config = dataclasses.replace(
+                config,
                 num_draft_tokens=num_draft_tokens or config.num_draft_tokens,
                 max_draft_tokens=max(config.max_draft_tokens, num_draft_tokens or 0),
                 adaptive=config.adaptive if adaptive is None else adaptive,
-                proposal=config.proposal, min_mapped_mass=config.min_mapped_mass,
             )
         kind = self._proposal_kind(params, proposal or config.proposal)
         stats.proposal = kind
@@ -240,6 +241,7 @@ class _Run:
     def __init__(self, spec: XTokSpec, params: SamplingParams, config: SpecConfig, kind: str, stats: GenerationStats):
         self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
         self.policy = DraftLengthPolicy(config)
+        self.min_confidence = config.draft_confidence
         self.warpers = sampling.build_warpers(params)
         self.target_limit = getattr(spec.target_model.config, "max_position_embeddings", None) or 1 << 30
         self.draft_limit = getattr(spec.draft_model.config, "max_position_embeddings", None) or 1 << 30
@@ -322,6 +324,7 @@ class _Run:
             logits = draft.forward(keep=1)  # (1, Vd)
             if not self.params.do_sample:
                 token = int(torch.argmax(logits[0]))
+                confident = self.min_confidence <= 0 or float(torch.softmax(logits[0].float(), -1)[token]) >= self.min_confidence
             else:
                 probs = sampling.logits_to_probs(logits, self.warpers)[0]  # (Vd,)
                 if restrict:
@@ -331,12 +334,15 @@ class _Run:
                     probs = probs / probs.sum()
                 noise = sampling.exponential_noise(probs.shape, self.draft_gen, probs.device)
                 token = int(sampling.race(probs, noise))
+                confident = float(probs[token]) >= self.min_confidence
                 if keep_rows:
                     rows.append(probs)
             draft.ids.append(token)
             ids.append(token)
             if token in self.spec.draft_eos:
                 return ids, rows, True
+            if not confident:  # NOTE: a low-confidence guess is still proposed, but nothing is drafted after it
+                break
         return ids, rows, False
 
     # ---------------------------------------------------------------- 2. bridge
