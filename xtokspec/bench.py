@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .models import FIXTURE_DRAFT_BPE, FIXTURE_DRAFT_SAME, FIXTURE_TARGET, FIXTURES
+from .models import fixture_model, fixtures_dir
 from .types import SpecConfig
 
-PROMPTS_FILE = FIXTURES.parent / "data" / "prompts.txt"
 REAL_PROMPTS = ["自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
                 "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
 
@@ -75,7 +74,7 @@ def load_preset(preset: str, dtype: torch.dtype) -> Models:
         return model, AutoTokenizer.from_pretrained(path)
 
     if preset == "fixtures":
-        return Models(load(FIXTURE_TARGET), load(FIXTURE_DRAFT_SAME), load(FIXTURE_DRAFT_BPE))
+        return Models(*(load(fixture_model(n)) for n in ("ja-target", "ja-draft-same", "ja-draft-bpe")))
     from .assets import real_model_dir
 
     models = Models(load(real_model_dir("qwen2.5-coder-1.5b")), load(real_model_dir("qwen2.5-coder-0.5b")),
@@ -287,7 +286,8 @@ def main_bench(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     models = load_preset(args.preset, dtype)
     if args.preset == "fixtures":
-        prompts = [p for p in PROMPTS_FILE.read_text(encoding="utf-8").splitlines() if p][: args.prompts]
+        lines = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+        prompts = [p for p in lines if p][: args.prompts]
     else:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .models import FIXTURE_DRAFT_BPE, FIXTURE_TARGET
+from .models import fixture_model
 from .types import SpecConfig, XTokSpecError
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -29,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
         adaptive=not args.fixed_k, proposal=args.proposal,
     )
     spec = XTokSpec(
-        args.target, args.draft, config=config,
+        args.target or fixture_model("ja-target"), args.draft or fixture_model("ja-draft-bpe"), config=config,
         large_kwargs=_load_kwargs(args.dtype, args.target_device),
         small_kwargs=_load_kwargs(args.dtype, args.draft_device),
     )
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding (fixture models by default)")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default=str(FIXTURE_TARGET), help="target (large) model folder or hub id")
-    gen.add_argument("--draft", default=str(FIXTURE_DRAFT_BPE), help="draft (small) model folder or hub id")
+    gen.add_argument("--target", help="target (large) model folder or hub id (default: fixture ja-target)")
+    gen.add_argument("--draft", help="draft (small) model folder or hub id (default: fixture ja-draft-bpe)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None)

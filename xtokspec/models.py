@@ -7,11 +7,28 @@ from pathlib import Path
 
 from .types import XTokSpecError
 
-# Bundled fixture models, relative to the repository root (used by the CLI and benchmarks by default).
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
-FIXTURE_TARGET = FIXTURES / "ja-target"
-FIXTURE_DRAFT_BPE = FIXTURES / "ja-draft-bpe"
-FIXTURE_DRAFT_SAME = FIXTURES / "ja-draft-same"
+FIXTURE_NAMES = ("ja-target", "ja-draft-same", "ja-draft-bpe")
+
+
+def fixtures_dir() -> Path:
+    """The repository's fixtures/ folder: $XTOKSPEC_FIXTURES, the source tree, or the working directory up."""
+    candidates = [Path(os.environ["XTOKSPEC_FIXTURES"])] if os.environ.get("XTOKSPEC_FIXTURES") else []
+    candidates.append(Path(__file__).resolve().parent.parent / "fixtures")
+    candidates += [d / "fixtures" for d in (Path.cwd(), *Path.cwd().parents)]
+    for path in candidates:
+        if (path / "models" / "ja-target" / "config.json").exists():
+            return path
+    raise XTokSpecError(
+        "bundled fixture models not found: run from the xtokspec checkout (fixtures/models/...) or set "
+        "XTOKSPEC_FIXTURES to its fixtures/ folder"
+    )
+
+
+def fixture_model(name: str) -> Path:
+    """Folder of a bundled fixture model: ja-target, ja-draft-same or ja-draft-bpe."""
+    if name not in FIXTURE_NAMES:
+        raise XTokSpecError(f"unknown fixture model {name!r}; choose from {FIXTURE_NAMES}")
+    return fixtures_dir() / "models" / name
 
 
 def load(spec, role: str, **load_kwargs):
