@@ -11,6 +11,16 @@ FIXTURES = ROOT / "fixtures"
 MODELS = FIXTURES / "models"
 
 
+def pytest_configure(config):
+    """One torch thread: the fixture models are tiny, and on a shared 2-core machine a 2-thread op stalls
+    whenever its peer thread is descheduled (measured: 8 ms per tiny matmul under load instead of ~0.05)."""
+    try:
+        import torch
+    except ImportError:  # the reference env has no torch
+        return
+    torch.set_num_threads(1)
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 

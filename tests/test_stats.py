@@ -165,9 +165,12 @@ def sample_continuations(spec, setting, proposal, n=N_E2E):
 
 
 def flawed_draft(self, draft, k):
-    """WRONG: the draft samples at twice the temperature but reports q at the right one."""
+    """WRONG: the draft samples at half the temperature but reports q at the right one.
+
+    (Colder, so that the sampled token stays inside q's top-k/top-p support and the flaw shows up in the
+    distribution rather than as the loop's zero-probability consistency error.)"""
     ids, rows = [], []
-    hot = sampling.build_warpers(dataclasses.replace(self.params, temperature=2 * self.params.temperature))
+    hot = sampling.build_warpers(dataclasses.replace(self.params, temperature=0.5 * self.params.temperature))
     for _ in range(k):
         logits = draft.forward(keep=1)
         q_row = sampling.logits_to_probs(logits, self.warpers)[0]
