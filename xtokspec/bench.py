@@ -25,7 +25,7 @@ import torch
 from .models import fixture_model, fixtures_dir
 from .types import SpecConfig
 
-REAL_PROMPTS = ["自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
+REAL_PROMPTS = ["The main advantages of Python are", "自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
                 "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
 
 
@@ -58,6 +58,7 @@ class Models:
     draft_cross: tuple | None
     cross_label: str = "bridged"
     draft_cross_hf: tuple | None = None  # a private copy of draft_cross for transformers' universal mode
+    extra_cross: dict = field(default_factory=dict)  # label -> (model, tokenizer): more drafts, greedy only
 
     def __post_init__(self):
         if self.draft_cross and self.draft_cross_hf is None:
@@ -78,7 +79,8 @@ def load_preset(preset: str, dtype: torch.dtype) -> Models:
     from .assets import real_model_dir
 
     models = Models(load(real_model_dir("qwen2.5-coder-1.5b")), load(real_model_dir("qwen2.5-coder-0.5b")),
-                    load(real_model_dir("gemma-3-270m")), cross_label="bridged-gemma")
+                    load(real_model_dir("gemma-3-270m")), cross_label="bridged-gemma",
+                    extra_cross={"smollm": load(real_model_dir("smollm2-135m"))})
     for model, _ in (models.target, models.draft_same):
         model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
     return models
@@ -90,7 +92,7 @@ def sampling_kwargs(mode: str) -> dict:
     return {"do_sample": True, "temperature": float(mode.removeprefix("T="))}
 
 
-def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed) -> dict:
+def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None)."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
@@ -129,6 +131,9 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
+            for label, (pair, spec) in (spec_extra or {}).items():
+                systems[f"hf-universal-{label}"] = hf(pair, universal=True)
+                systems[f"xtokspec-bridged-{label}"] = ours(spec)
     return systems
 
 
@@ -143,17 +148,18 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     spec_cross = XTokSpec(models.target, models.draft_cross) if models.draft_cross else None
     spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
                   if models.draft_cross else None)
+    spec_extra = {label: (pair, XTokSpec(models.target, pair)) for label, pair in models.extra_cross.items()}
     counters = {"target": Counter(), "draft": Counter()}
     handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]
-    for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf):
+    for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf, *models.extra_cross.values()):
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
-    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed)) for m in modes) * len(prompts)
+    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra)) for m in modes) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     try:
         for mode in modes:
-            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed)
+            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra)
             for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
                 fn(prompts[0], 8, 0)
             for p_index, prompt in enumerate(prompts):
