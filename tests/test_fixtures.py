@@ -86,7 +86,7 @@ def test_decode_encode_round_trip_on_heldout(path):
     tok = tokenizer(path)
     lines = list(heldout())
     decoded = [tok.decode(ids, skip_special_tokens=True) for ids in tok(lines).input_ids]
-    assert [x for x, y in zip(lines, decoded) if x != y] == []
+    assert [x for x, y in zip(lines, decoded, strict=True) if x != y] == []
 
 
 def test_fast_ids_equal_sentencepiece_ids_on_heldout():
@@ -95,7 +95,7 @@ def test_fast_ids_equal_sentencepiece_ids_on_heldout():
     sp = sentencepiece.SentencePieceProcessor(model_file=str(SP_DIR / "ja-sp.model"))
     lines = list(heldout())
     fast = tokenizer(SP_DIR)(lines, add_special_tokens=False).input_ids
-    assert [x for x, a, b in zip(lines, sp.encode(lines), fast) if a != b] == []
+    assert [x for x, a, b in zip(lines, sp.encode(lines), fast, strict=True) if a != b] == []
 
 
 def test_known_sentencepiece_differences_are_as_documented():
