@@ -157,14 +157,14 @@ def fixture_codecs(sp_tokenizer, bpe_tokenizer):
 
 
 @settings(max_examples=150, deadline=None)
-@given(text=texts, cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30), noise=st.lists(st.booleans(), max_size=30))
-def test_sync_invariants_on_random_unicode(fixture_codecs, text, cuts, noise):
+@given(lookbehind=st.integers(0, 3), text=texts, cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30), noise=st.lists(st.booleans(), max_size=30))
+def test_sync_invariants_on_random_unicode(fixture_codecs, lookbehind, text, cuts, noise):
     """Over random cycles: committed == bytes of target ids, the draft's context == committed text up to its
     last complete character, proposals restate drafted text, and the bridge never introduces U+FFFD."""
     target, draft = fixture_codecs
     target_ids = target.encode_fragment(text)
     truth = target.bytes_of(target_ids)
-    sync = TextSync(target, draft)
+    sync = TextSync(target, draft, lookbehind)
     draft_cont: list[int] = []
     done = 0
     for n, cut in enumerate(cuts):

@@ -130,7 +130,10 @@ def test_mapped_proposal_first_token():
 N_E2E = 1000
 LENGTH = 2
 SETTINGS = {"t1.0-k4": dict(temperature=1.0, top_k=4, top_p=1.0), "t0.7-k8-p0.9": dict(temperature=0.7, top_k=8, top_p=0.9)}
-PROMPT = "これでこのデータソースが LibreOff"  # a held-out prompt where all three paths accept >= 45%
+# Held-out prompts where the path accepts >= 45% (measured), and where the draft is unsure of its first token:
+# after "LibreOff" the restricted (intersection) draft is all but certain of "ice", so no drafting flaw shows.
+PROMPTS = {"same-tokenizer": "これでこのデータソースが LibreOff", "onehot": "これでこのデータソースが LibreOff",
+           "intersection": "使用する C コンパイラが"}
 
 
 def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length: int, eos: set[int]):
@@ -153,10 +156,10 @@ def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length
     return law
 
 
-def sample_continuations(spec, setting, proposal, n=N_E2E):
+def sample_continuations(spec, setting, proposal, prompt, n=N_E2E):
     samples, drafted, accepted = [], 0, 0
     for seed in range(n):
-        result = spec.generate(PROMPT, max_new_tokens=LENGTH, do_sample=True, seed=seed, proposal=proposal,
+        result = spec.generate(prompt, max_new_tokens=LENGTH, do_sample=True, seed=seed, proposal=proposal,
                                num_draft_tokens=2, adaptive=False, **setting)
         samples.append(tuple(result.token_ids))
         drafted += result.stats.drafted
@@ -175,8 +178,10 @@ def flawed_draft(self, draft, k):
         logits = draft.forward(keep=1)
         q_row = sampling.logits_to_probs(logits, self.warpers)[0]
         sample_row = sampling.logits_to_probs(logits, hot)[0]
-        if self.kind == "intersection":
+        if self.kind == "intersection" and not self.sync.pending:
             q_row, sample_row = q_row * self.mapped_mask, sample_row * self.mapped_mask
+            if float(q_row.sum()) <= 0 or float(sample_row.sum()) <= 0:
+                break  # as the real loop does: no mapped mass, no drafting
             q_row, sample_row = q_row / q_row.sum(), sample_row / sample_row.sum()
         noise = sampling.exponential_noise(sample_row.shape, self.draft_gen, sample_row.device)
         token = int(sampling.race(sample_row, noise))
@@ -198,8 +203,9 @@ def test_end_to_end_sampling_matches_target(path, setting, bridged_spec, same_sp
     spec = same_spec if path == "same-tokenizer" else bridged_spec
     proposal = "onehot" if path == "same-tokenizer" else path
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
-    exact = exact_continuations(*ja_target, PROMPT, params, LENGTH, spec.target_eos)
-    samples, acceptance = sample_continuations(spec, SETTINGS[setting], proposal)
+    prompt = PROMPTS[path]
+    exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
+    samples, acceptance = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
     assert acceptance > 0.25, f"the draft is hardly used ({acceptance:.0%} accepted): the test would prove little"
     reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
 
@@ -207,7 +213,7 @@ def test_end_to_end_sampling_matches_target(path, setting, bridged_spec, same_sp
         monkeypatch.setattr(sampling, "next_token_distribution", not_removed_distribution)
     else:
         monkeypatch.setattr(_Run, "_draft", flawed_draft)
-    wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal)
+    wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
     counts, probs, _labels = reference.count_samples(wrong, exact)
     control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
     assert control.rejected, f"negative control passed (p={control.pvalue:.3g}): the test has no power here"

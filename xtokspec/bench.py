@@ -1,7 +1,7 @@
 """`xtokspec bench`: bridged vs same-tokenizer speculative decoding against the target alone and transformers.
 
 Systems run interleaved in one process, prompt by prompt, after a warm-up, so that machine noise hits all
-of them alike; each speedup is the ratio of the target-alone time to the system's time on the same prompt,
+of them alike; each speedup is the ratio of the target-alone time per token to the system's on the same prompt,
 and figures are medians over prompts with their interquartile range. Target and draft calls are counted with
 forward hooks, so transformers' own assisted generation gets the same counters as xtokspec.
 
@@ -204,12 +204,12 @@ def theoretical_speedup(stats: dict, target_step: float) -> float | None:
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (mode, system) with medians over prompts and spreads."""
     rows = []
-    target_time = {(r.mode, r.prompt): r.seconds for r in runs if r.system == "target"}
+    # NOTE: per-token times: sampled runs of the same prompt can stop (EOS) at different lengths.
     target_step = {(r.mode, r.prompt): r.seconds / max(r.new_tokens, 1) for r in runs if r.system == "target"}
     for mode in dict.fromkeys(r.mode for r in runs):
         for system in dict.fromkeys(r.system for r in runs if r.mode == mode):
             sel = [r for r in runs if r.mode == mode and r.system == system]
-            speedups = [target_time[(mode, r.prompt)] / r.seconds for r in sel]
+            speedups = [target_step[(mode, r.prompt)] / (r.seconds / max(r.new_tokens, 1)) for r in sel]
             med, lo, hi = _median_iqr(speedups)
             row = {
                 "mode": mode, "system": system, "prompts": len(sel),

@@ -297,8 +297,9 @@ class TextSync:
     character; `pending` is the rest (an incomplete character the draft has not been shown).
     """
 
-    def __init__(self, target: TokenCodec, draft: TokenCodec):
+    def __init__(self, target: TokenCodec, draft: TokenCodec, lookbehind: int = 0):
         self.target, self.draft = target, draft
+        self.lookbehind = lookbehind  # kept draft ids re-encoded together with new text (canonical boundaries)
         self.committed = b""
         self.draft_ends: list[int] = []
 
@@ -338,6 +339,8 @@ class TextSync:
         while keep > len(self.draft_ends) and not is_char_boundary(self.committed, ends[keep - 1]):
             keep -= 1
         keep = max(keep, len(self.draft_ends))
+        if complete > (ends[keep - 1] if keep else 0):  # new text: re-encode the last few kept ids with it
+            keep = max(0, keep - self.lookbehind)
         self.draft_ends = ends[:keep]
         start = self.synced
         if complete <= start:

@@ -245,7 +245,7 @@ class _Run:
         self.warpers = sampling.build_warpers(params)
         self.target_limit = getattr(spec.target_model.config, "max_position_embeddings", None) or 1 << 30
         self.draft_limit = getattr(spec.draft_model.config, "max_position_embeddings", None) or 1 << 30
-        self.sync = TextSync(spec.target, spec.draft)
+        self.sync = TextSync(spec.target, spec.draft, config.draft_lookbehind)
         if params.do_sample:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             self.target_gen = self._generator(spec.target_model, seed)
