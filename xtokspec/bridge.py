@@ -341,6 +341,8 @@ class TextSync:
         keep = max(keep, len(self.draft_ends))
         if complete > (ends[keep - 1] if keep else 0):  # new text: re-encode the last few kept ids with it
             keep = max(0, keep - self.lookbehind)
+            while keep and not is_char_boundary(self.committed, ends[keep - 1]):
+                keep -= 1  # NOTE: byte-level ids can end inside a character; never restart encoding there
         self.draft_ends = ends[:keep]
         start = self.synced
         if complete <= start:
