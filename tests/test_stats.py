@@ -191,6 +191,17 @@ def flawed_draft(self, draft, k):
     return ids, rows, False
 
 
+_right_map = sampling.map_to_target
+
+
+def half_wrong_map(draft_probs, draft_to_target, target_vocab_size):
+    """WRONG: half of the proposal mass is scored through a token map shifted by one target id."""
+    shifted = torch.where(draft_to_target >= 0, (draft_to_target + 1) % target_vocab_size, draft_to_target)
+    return 0.5 * _right_map(draft_probs, draft_to_target, target_vocab_size) + 0.5 * _right_map(
+        draft_probs, shifted, target_vocab_size
+    )
+
+
 def not_removed_distribution(target_probs, proposal_ids, num_accepted, proposal_probs=None):
     """WRONG: after a one-hot rejection, sample the target without removing the rejected guess."""
     return target_probs[num_accepted]
@@ -211,6 +222,8 @@ def test_end_to_end_sampling_matches_target(path, setting, bridged_spec, same_sp
 
     if path == "onehot":
         monkeypatch.setattr(sampling, "next_token_distribution", not_removed_distribution)
+    elif path == "intersection":
+        monkeypatch.setattr(sampling, "map_to_target", half_wrong_map)
     else:
         monkeypatch.setattr(_Run, "_draft", flawed_draft)
     wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
