@@ -303,7 +303,7 @@ def main_bench(args: argparse.Namespace) -> int:
     table = markdown_table(rows)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "device": "cpu", "command": "xtokspec bench " + " ".join(args.argv)}
+            "device": "cpu", "command": "xtokspec " + " ".join(args.argv)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": [r.__dict__ for r in runs]},
                                                  indent=1, ensure_ascii=False))
     (out / "table.md").write_text(table + "\n")
