@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_llama
+from model_helpers import tiny_llama
 
 from xtokspec import XTokSpec, XTokSpecError
 

@@ -1,0 +1,55 @@
+"""Model and tokenizer helpers for the tests (torch and transformers are imported inside the functions)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+MODELS = FIXTURES / "models"
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_fixture_model(name: str):
+    """(model, tokenizer) of a bundled fixture model in float32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = MODELS / name
+    if not (path / "config.json").exists():
+        pytest.fail(f"fixture model {path} is missing: build it with fixtures/build (see fixtures/README.md)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, load_tokenizer(path)
+
+
+def tiny_llama(tokenizer, layers: int = 2, seed: int = 0, max_positions: int = 256):
+    """A randomly initialised tiny Llama over `tokenizer` (for tests that need any model, not a good one)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_neox(tokenizer, seed: int = 1):
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return GPTNeoXForCausalLM(config).eval()
