@@ -26,3 +26,10 @@ def test_stream_and_sampling_flags(capsys, ja_target):
 def test_bad_input_exits_2_with_a_message(capsys):
     assert main(["generate", "", "--max-new-tokens", "4"]) == 2
     assert "xtokspec: error: prompt is empty" in capsys.readouterr().err
+
+
+def test_fetch_passes_its_own_options(capsys):
+    """`xtokspec fetch --list` reaches the fetch tool's parser (argparse REMAINDER used to drop options)."""
+    assert main(["fetch", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma-3-270m", "smollm2-135m"))

