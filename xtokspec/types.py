@@ -56,7 +56,7 @@ class SpecConfig:
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
     draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto"
-    min_mapped_mass: float = 0.5  # "auto" picks intersection while the draft puts >= this mass on mapped tokens
+    min_mapped_mass: float = 0.5  # "auto" picks intersection when >= this share of the draft vocabulary maps
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
