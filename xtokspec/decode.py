@@ -23,7 +23,7 @@ import torch
 
 from . import sampling
 from .bridge import TextSync, TokenCodec, build_token_map
-from .cache import ModelState
+from .cache import ModelState, input_device
 from .models import load
 from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError
 
@@ -251,17 +251,12 @@ class _Run:
             self.target_gen = self._generator(spec.target_model, seed)
             self.draft_gen = self._generator(spec.draft_model, seed + 1)
         if kind == "intersection":
-            self.draft_to_target = torch.tensor(spec.token_map.draft_to_target, device=self.draft_device)  # (Vd,)
+            self.draft_to_target = torch.tensor(spec.token_map.draft_to_target, device=input_device(spec.draft_model))  # (Vd,)
             self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
-
-    @property
-    def draft_device(self) -> torch.device:
-        return self.spec.draft_model.get_input_embeddings().weight.device
 
     @staticmethod
     def _generator(model, seed: int) -> torch.Generator:
-        device = model.get_input_embeddings().weight.device
-        return torch.Generator(device=device).manual_seed(seed)
+        return torch.Generator(device=input_device(model)).manual_seed(seed)
 
     def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int) -> Iterator[list[int]]:
         stats, spec = self.stats, self.spec
