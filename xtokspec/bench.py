@@ -49,6 +49,7 @@ class Run:
     target_calls: int
     draft_calls: int
     stats: dict = field(default_factory=dict)  # xtokspec's own GenerationStats, when it is xtokspec
+    stopped_eos: bool = False  # the continuation ended with the target's EOS
 
 
 @dataclass
@@ -141,9 +142,10 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                   progress: bool = True) -> list[Run]:
     from tqdm.auto import tqdm
 
-    from .decode import XTokSpec
+    from .decode import XTokSpec, _eos_ids
 
     t_model = models.target[0]
+    eos_ids = _eos_ids(*models.target)
     spec_same = XTokSpec(models.target, models.draft_same) if models.draft_same else None
     spec_cross = XTokSpec(models.target, models.draft_cross) if models.draft_cross else None
     spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
@@ -172,7 +174,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                     ids, stats = fn(prompt, max_new_tokens, 1000 + p_index)
                     seconds = time.perf_counter() - start
                     runs.append(Run(name, mode, p_index, seconds, len(ids), counters["target"].calls,
-                                    counters["draft"].calls, stats.as_dict() if stats else {}))
+                                    counters["draft"].calls, stats.as_dict() if stats else {},
+                                    bool(ids) and ids[-1] in eos_ids))
                     bar.set_postfix_str(f"{mode} {name}")
                     bar.update()
     finally:
@@ -190,13 +193,18 @@ def _median_iqr(values: list[float]) -> tuple[float, float, float]:
 
 
 def theoretical_speedup(stats: dict, target_step: float) -> float | None:
-    """Speedup the measured acceptance and per-call costs allow: tokens per cycle over cost per cycle."""
+    """Speedup the measured acceptance and per-call costs allow: tokens per cycle over cost per cycle.
+
+    With per-token acceptance a, a cycle with K proposals commits (1 - a^(K+1)) / (1 - a) tokens on average;
+    this is averaged over the cycles' actual K, and divided by the measured draft + verify seconds per cycle
+    in units of a target-alone step.
+    """
     if not stats or not stats["target_forwards"] or not stats["drafted"]:
         return None
     cycles = stats["target_forwards"]
-    k = stats["drafted"] / cycles  # proposals per cycle
-    a = min(stats["accepted"] / stats["drafted"], 0.999)
-    tokens = (1 - a ** (k + 1)) / (1 - a)
+    a = min(stats["token_acceptance"], 0.999)
+    lengths = stats.get("proposal_lengths") or [stats["drafted"] / cycles]
+    tokens = sum((1 - a ** (k + 1)) / (1 - a) for k in lengths) / len(lengths)
     cost = (stats["draft_seconds"] + stats["verify_seconds"]) / cycles
     return tokens / (cost / target_step)
 
@@ -221,27 +229,94 @@ def summarize(runs: list[Run]) -> list[dict]:
             ours = [r for r in sel if r.stats]
             if ours:
                 row["acceptance_rate"] = statistics.median(r.stats["acceptance_rate"] for r in ours)
+                row["token_acceptance"] = statistics.median(r.stats["token_acceptance"] for r in ours)
                 row["bridge_share"] = statistics.median(r.stats["bridge_seconds"] / r.seconds for r in ours)
                 theory = [theoretical_speedup(r.stats, target_step[(mode, r.prompt)]) for r in ours]
                 shares = [s / t for s, t in zip(speedups, theory, strict=True) if t]
                 row["theory_speedup"] = statistics.median(t for t in theory if t) if shares else None
                 row["of_theory"] = statistics.median(shares) if shares else None
+            if mode != "greedy":
+                row.update(eos_check(sel, [r for r in runs if r.mode == mode and r.system == "target"]))
             rows.append(row)
     return rows
+
+
+def eos_check(sel: list[Run], target: list[Run]) -> dict:
+    """Share of continuations that stopped at EOS, and Fisher's exact test against the target alone's share.
+
+    A lossless sampler stops at EOS as often as the target does; p < 0.001 flags a sampler whose output is
+    not distributed like the target's (one sample per prompt, so the test only sees large differences).
+    """
+    from scipy.stats import fisher_exact
+
+    k, kt = sum(r.stopped_eos for r in sel), sum(r.stopped_eos for r in target)
+    p = fisher_exact([[k, len(sel) - k], [kt, len(target) - kt]]).pvalue
+    return {"eos_share": k / len(sel), "eos_p": float(p)}
+
+
+def paired(runs: list[Run], mode: str, a: str, b: str, resamples: int = 10_000) -> dict | None:
+    """Speed of system a over system b on the same prompts: median per-prompt ratio, 95% bootstrap CI, wins.
+
+    The ratio is b's seconds per token over a's, so > 1 means a is faster.
+    """
+    import numpy as np
+
+    time_a = {r.prompt: r.seconds / max(r.new_tokens, 1) for r in runs if r.mode == mode and r.system == a}
+    time_b = {r.prompt: r.seconds / max(r.new_tokens, 1) for r in runs if r.mode == mode and r.system == b}
+    common = sorted(time_a.keys() & time_b.keys())
+    if not common:
+        return None
+    ratios = np.array([time_b[i] / time_a[i] for i in common])
+    boot = np.random.default_rng(0).choice(ratios, size=(resamples, len(ratios))).mean(axis=1)
+    return {"mode": mode, "a": a, "b": b, "prompts": len(common), "median_ratio": float(np.median(ratios)),
+            "mean_ratio": float(ratios.mean()), "ci_low": float(np.quantile(boot, 0.025)),
+            "ci_high": float(np.quantile(boot, 0.975)), "wins": int((ratios > 1).sum())}
+
+
+# (a, b): the head-to-head comparisons issue 5 asks about, when both systems ran
+PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
+         ("xtokspec-bridged", "xtokspec-same"), ("xtokspec-bridged", "xtokspec-bridged-fixed-k"),
+         ("xtokspec-bridged-intersection", "xtokspec-bridged-onehot"),
+         ("xtokspec-bridged-intersection", "hf-universal"), ("xtokspec-bridged-onehot", "hf-universal"),
+         ("xtokspec-bridged-gemma", "hf-universal"), ("xtokspec-bridged-gemma", "xtokspec-same"),
+         ("xtokspec-bridged-gemma-intersection", "hf-universal"), ("xtokspec-bridged-gemma-onehot", "hf-universal"),
+         ("xtokspec-bridged-gemma-intersection", "xtokspec-bridged-gemma-onehot"),
+         ("xtokspec-bridged-smollm", "hf-universal-smollm")]
+
+
+def comparisons(runs: list[Run]) -> list[dict]:
+    out = []
+    for mode in dict.fromkeys(r.mode for r in runs):
+        for a, b in PAIRS:
+            result = paired(runs, mode, a, b)
+            if result:
+                out.append(result)
+    return out
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| mode | system | vs | speed ratio, median per prompt | mean [95% bootstrap CI] | faster on |",
+             "|" + "---|" * 6]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['a']} | {r['b']} | {r['median_ratio']:.2f} | {r['mean_ratio']:.2f} "
+                     f"[{r['ci_low']:.2f}-{r['ci_high']:.2f}] | {r['wins']}/{r['prompts']} prompts |")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
     def fmt(v, spec=".2f"):
         return "–" if v is None else format(v, spec)
 
-    lines = ["| mode | system | tokens/s | speedup (IQR) | accept | tokens/target call | target calls/token "
-             "| bridge share | theory | of theory |", "|" + "---|" * 10]
+    lines = ["| mode | system | tokens/s | speedup (IQR) | alpha | accepted share | tokens/target call | target calls/token "
+             "| bridge share | theory | of theory | EOS stops (Fisher p vs target) |", "|" + "---|" * 12]
     for r in rows:
+        eos = "–" if "eos_share" not in r else f"{r['eos_share']:.0%} (p={r['eos_p']:.2g})"
         lines.append(
             f"| {r['mode']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
-            f"({r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}) | {fmt(r.get('acceptance_rate'))} "
+            f"({r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}) | {fmt(r.get('token_acceptance'))} | {fmt(r.get('acceptance_rate'))} "
             f"| {r['tokens_per_target_call']:.2f} | {r['target_calls_per_token']:.2f} "
-            f"| {fmt(r.get('bridge_share'), '.1%')} | {fmt(r.get('theory_speedup'))} | {fmt(r.get('of_theory'), '.0%')} |"
+            f"| {fmt(r.get('bridge_share'), '.1%')} | {fmt(r.get('theory_speedup'))} | {fmt(r.get('of_theory'), '.0%')} "
+            f"| {eos} |"
         )
     return "\n".join(lines)
 
@@ -300,14 +375,16 @@ def main_bench(args: argparse.Namespace) -> int:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress)
     rows = summarize(runs)
+    pairs = comparisons(runs)
     out = Path(args.out) / args.preset
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": "cpu", "command": "xtokspec " + " ".join(args.argv)}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": [r.__dict__ for r in runs]},
-                                                 indent=1, ensure_ascii=False))
+    table += "\n\n" + comparison_table(pairs)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "comparisons": pairs,
+                                                  "runs": [r.__dict__ for r in runs]}, indent=1, ensure_ascii=False))
     (out / "table.md").write_text(table + "\n")
     plot(rows, out, f"xtokspec bench ({args.preset}, {args.max_new_tokens} new tokens, CPU)")
     print(table)

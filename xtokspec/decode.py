@@ -301,11 +301,13 @@ class _Run:
         s.draft_forwards += drafted
         s.drafted += proposed
         s.accepted += accepted
+        s.rejections += accepted < proposed
         s.new_tokens += committed
         s.draft_seconds += draft_s
         s.bridge_seconds += bridge_s
         s.verify_seconds += verify_s
         s.draft_lengths.append(drafted)
+        s.proposal_lengths.append(proposed)
         self.policy.update(drafted, proposed, accepted, draft_s, verify_s)
 
     # ---------------------------------------------------------------- 1. draft

@@ -75,6 +75,7 @@ class GenerationStats:
     draft_forwards: int = 0  # draft model calls
     drafted: int = 0  # target-vocabulary tokens proposed to the verifier
     accepted: int = 0  # of those, accepted
+    rejections: int = 0  # cycles that rejected one of their proposals (the others accepted them all)
     new_tokens: int = 0  # target tokens committed
     draft_seconds: float = 0.0
     bridge_seconds: float = 0.0
@@ -82,10 +83,19 @@ class GenerationStats:
     wall_seconds: float = 0.0
     proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge")
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
+    proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals each cycle
 
     @property
     def acceptance_rate(self) -> float:
+        """Share of proposals accepted (proposals after a cycle's first rejection count as not accepted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Per-token acceptance alpha (Leviathan et al. 2023): the chance that a proposal whose predecessors
+        were accepted is accepted too. Maximum likelihood under i.i.d. acceptance: each cycle ends after its
+        accepted proposals with one rejection or with all of them accepted."""
+        return self.accepted / (self.accepted + self.rejections) if self.accepted + self.rejections else 0.0
 
     @property
     def tokens_per_cycle(self) -> float:
@@ -93,14 +103,15 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "draft_lengths"}
-        out.update(acceptance_rate=self.acceptance_rate, tokens_per_cycle=self.tokens_per_cycle)
+        out.update(acceptance_rate=self.acceptance_rate, token_acceptance=self.token_acceptance,
+                   tokens_per_cycle=self.tokens_per_cycle)
         return out
 
     def summary(self) -> str:
         return (
             f"{self.new_tokens} tokens in {self.wall_seconds:.2f}s ({self.target_forwards} target calls, "
             f"{self.tokens_per_cycle:.2f} tokens/call); accepted {self.accepted}/{self.drafted} "
-            f"({self.acceptance_rate:.0%}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
+            f"({self.acceptance_rate:.0%}; per-token alpha {self.token_acceptance:.2f}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
             f"verify {self.verify_seconds:.2f}s"
         )
 

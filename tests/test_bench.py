@@ -1,0 +1,98 @@
+"""`xtokspec bench`: the figures it derives from timed runs, and one small end-to-end run on the fixtures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xtokspec.bench import Run, comparisons, eos_check, markdown_table, paired, summarize, theoretical_speedup
+from xtokspec.cli import main
+from xtokspec.types import GenerationStats
+
+
+def _runs(system: str, seconds_per_token: list[float], mode: str = "greedy", eos: list[bool] | None = None,
+          stats: dict | None = None) -> list[Run]:
+    eos = eos or [False] * len(seconds_per_token)
+    return [Run(system, mode, i, 10 * s, 10, 10, 0, stats or {}, e)
+            for i, (s, e) in enumerate(zip(seconds_per_token, eos, strict=True))]
+
+
+def test_speedup_is_per_prompt_target_time_over_system_time():
+    runs = _runs("target", [1.0, 2.0, 4.0]) + _runs("fast", [0.5, 1.0, 1.0])
+    row = next(r for r in summarize(runs) if r["system"] == "fast")
+    assert row["speedups"] == [2.0, 2.0, 4.0]
+    assert row["speedup"] == 2.0 and row["speedup_q1"] == 2.0 and row["speedup_q3"] == 3.0
+
+
+def test_paired_ratio_and_bootstrap_interval():
+    runs = _runs("a", [1.0, 1.0, 1.0, 1.0]) + _runs("b", [2.0, 2.2, 1.8, 2.0])
+    result = paired(runs, "greedy", "a", "b")
+    assert result["median_ratio"] == pytest.approx(2.0) and result["wins"] == 4 and result["prompts"] == 4
+    assert result["ci_low"] <= result["mean_ratio"] <= result["ci_high"]
+    assert 1.8 <= result["ci_low"] and result["ci_high"] <= 2.2
+    assert paired(runs, "greedy", "a", "missing") is None
+    swapped = paired(runs, "greedy", "b", "a")
+    assert swapped["wins"] == 0 and swapped["median_ratio"] == pytest.approx(0.5)
+
+
+def test_comparisons_only_lists_pairs_that_ran():
+    runs = _runs("xtokspec-same", [1.0, 1.0]) + _runs("hf-assisted", [1.1, 0.9]) + _runs("target", [2.0, 2.0])
+    pairs = comparisons(runs)
+    assert [(p["a"], p["b"]) for p in pairs] == [("xtokspec-same", "hf-assisted")]
+
+
+def test_eos_check_flags_a_sampler_that_never_stops_and_passes_an_equal_one():
+    target = _runs("target", [1.0] * 12, "T=0.7", [True] * 10 + [False] * 2)
+    never = _runs("never-stops", [1.0] * 12, "T=0.7", [False] * 12)
+    same = _runs("lossless", [1.0] * 12, "T=0.7", [True] * 9 + [False] * 3)
+    assert eos_check(never, target)["eos_p"] < 1e-3  # the negative control: this check can fail
+    check = eos_check(same, target)
+    assert check["eos_share"] == 0.75 and check["eos_p"] > 0.5
+
+
+def test_theoretical_speedup_matches_the_closed_form():
+    # alpha = 0.5, K = 2 every cycle: (1 - 0.5^3) / 0.5 = 1.75 tokens per cycle; a cycle costs 0.5 target steps
+    stats = {"target_forwards": 4, "drafted": 8, "accepted": 4, "token_acceptance": 0.5,
+             "proposal_lengths": [2, 2, 2, 2], "draft_seconds": 1.0, "verify_seconds": 1.0}
+    assert theoretical_speedup(stats, target_step=1.0) == pytest.approx(1.75 / 0.5)
+    # K = 1 and K = 3: the expected tokens are averaged over the cycles' own K, (1.5 + 1.875) / 2
+    stats["proposal_lengths"] = [1, 3, 1, 3]
+    assert theoretical_speedup(stats, target_step=1.0) == pytest.approx(1.6875 / 0.5)
+    assert theoretical_speedup({}, 1.0) is None
+
+
+def test_token_acceptance_is_the_per_token_alpha_not_the_accepted_share():
+    # cycle 1: 4 proposals, 3 accepted, then a rejection; cycle 2: 2 proposals, both accepted
+    stats = GenerationStats(target_forwards=2, drafted=6, accepted=5, rejections=1)
+    assert stats.acceptance_rate == pytest.approx(5 / 6)
+    assert stats.token_acceptance == pytest.approx(5 / 6)
+    # cycle 1: 4 proposals, the first rejected (the other 3 are never judged): alpha 0, share 0
+    # cycle 2: 2 proposals, both accepted. Share 2/6, but alpha = 2 accepted / (2 + 1 rejection)
+    stats = GenerationStats(target_forwards=2, drafted=6, accepted=2, rejections=1)
+    assert stats.acceptance_rate == pytest.approx(2 / 6) and stats.token_acceptance == pytest.approx(2 / 3)
+
+
+def test_markdown_table_has_one_line_per_row_and_the_eos_column():
+    runs = _runs("target", [1.0, 1.0], "T=0.7", [True, False]) + _runs("x", [0.5, 0.5], "T=0.7", [True, True])
+    table = markdown_table(summarize(runs))
+    assert len(table.splitlines()) == 2 + 2 and "EOS stops" in table and "100% (p=" in table
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
+    assert main(["bench", "--prompts", "1", "--max-new-tokens", "8", "--modes", "greedy", "T=0.7",
+                 "--threads", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "fixtures" / "results.json").read_text())
+    systems = {(r["mode"], r["system"]) for r in results["summary"]}
+    for mode in ("greedy", "T=0.7"):
+        assert {(mode, s) for s in ("target", "hf-assisted", "xtokspec-same", "hf-universal")} <= systems
+    assert ("greedy", "xtokspec-bridged") in systems and ("T=0.7", "xtokspec-bridged-intersection") in systems
+    assert all(r["new_tokens"] > 0 and r["seconds"] > 0 for r in results["runs"])
+    for stats in (r["stats"] for r in results["runs"] if r["stats"]):
+        assert stats["rejections"] <= stats["target_forwards"] == len(stats["proposal_lengths"])
+        assert stats["token_acceptance"] >= stats["acceptance_rate"]
+    assert any(c["a"] == "xtokspec-same" and c["b"] == "hf-assisted" for c in results["comparisons"])
+    assert (tmp_path / "fixtures" / "speedup.png").stat().st_size > 0
+    assert (tmp_path / "fixtures" / "speedup_vs_temperature.png").stat().st_size > 0
+    assert "xtokspec-bridged" in capsys.readouterr().out
