@@ -96,3 +96,11 @@ def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
     assert (tmp_path / "fixtures" / "speedup.png").stat().st_size > 0
     assert (tmp_path / "fixtures" / "speedup_vs_temperature.png").stat().st_size > 0
     assert "xtokspec-bridged" in capsys.readouterr().out
+    table = (tmp_path / "fixtures" / "table.md").read_text()
+    assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 0  # figures re-derived from the runs
+    assert (tmp_path / "fixtures" / "table.md").read_text() == table
+
+
+def test_report_only_without_an_earlier_run_names_the_missing_file(tmp_path, capsys):
+    assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
+    assert "results.json" in capsys.readouterr().err

@@ -76,3 +76,14 @@ def test_draft_without_eos_and_text_it_cannot_encode(sp_tokenizer, tiny_target):
     with torch.inference_mode():
         ids = target.generate(**tokenizer("𠮷", return_tensors="pt"), do_sample=False, max_new_tokens=12)
     assert ids.shape[1] > 2
+
+
+def test_result_text_skips_the_tokenizers_clean_up(tiny_spec, monkeypatch):
+    """A tokenizer configured with clean_up_tokenization_spaces would delete the spaces before ' .' and ' ,';
+    the continuation's text must be its tokens' own text."""
+    tokenizer = tiny_spec.target_tokenizer
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    text = "値 . 設定 , 終わり"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) != text  # the control: clean-up does change it here
+    assert tiny_spec._decode(ids) == text

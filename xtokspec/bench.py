@@ -241,11 +241,15 @@ def summarize(runs: list[Run]) -> list[dict]:
     return rows
 
 
+EOS_ALARM = 1e-3  # Fisher p-value below which the EOS-stop share is taken as a sign of a wrong distribution
+
+
 def eos_check(sel: list[Run], target: list[Run]) -> dict:
     """Share of continuations that stopped at EOS, and Fisher's exact test against the target alone's share.
 
-    A lossless sampler stops at EOS as often as the target does; p < 0.001 flags a sampler whose output is
-    not distributed like the target's (one sample per prompt, so the test only sees large differences).
+    A lossless sampler stops at EOS as often as the target does; p < EOS_ALARM flags a sampler whose output
+    is not distributed like the target's. One sample per prompt, so the test only sees large differences;
+    pooling prompts of different stop chances makes it conservative (the false-alarm rate is <= EOS_ALARM).
     """
     from scipy.stats import fisher_exact
 
@@ -335,12 +339,16 @@ def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
     for ax, mode in zip(axes[0], modes, strict=True):
         sel = [r for r in rows if r["mode"] == mode]
         ax.boxplot([r["speedups"] for r in sel], vert=True)
-        ax.set_xticks(range(1, len(sel) + 1), [r["system"] for r in sel], rotation=60, ha="right", fontsize=7)
+        names = [r["system"] + (" *" if r.get("eos_p", 1.0) < EOS_ALARM else "") for r in sel]
+        ax.set_xticks(range(1, len(sel) + 1), names, rotation=60, ha="right", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_title(mode)
     axes[0][0].set_ylabel("speedup over the target alone (per prompt)")
     fig.suptitle(title)
     fig.tight_layout()
+    if any(r.get("eos_p", 1.0) < EOS_ALARM for r in rows):
+        fig.text(0.01, 0.01, f"* stops at EOS unlike the target (Fisher p < {EOS_ALARM:g}): not target-distributed",
+                 fontsize=7)
     paths.append(out / "speedup.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
@@ -350,8 +358,13 @@ def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         xs = [float(m[2:]) for m in temps]
         for system in dict.fromkeys(r["system"] for r in rows if r["mode"] in temps and r["system"] != "target"):
-            ys = [next((r["speedup"] for r in rows if r["mode"] == m and r["system"] == system), None) for m in temps]
-            ax.plot(xs, ys, marker="o", label=system)
+            sel = [next((r for r in rows if r["mode"] == m and r["system"] == system), {}) for m in temps]
+            ys = [r.get("speedup") for r in sel]
+            # NOTE: a sampler whose EOS stops differ from the target's (p < 0.001) is drawn dashed and named:
+            # its speed is not that of sampling the target's distribution.
+            flagged = [t for t, r in zip(temps, sel, strict=True) if r.get("eos_p", 1.0) < EOS_ALARM]
+            label = system + (f" (not target-distributed at {', '.join(flagged)}: EOS check)" if flagged else "")
+            ax.plot(xs, ys, marker="o", label=label, ls="--" if flagged else "-")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("sampling temperature (draft samples at the target's temperature)")
         ax.set_ylabel("median speedup over the target alone")
@@ -364,7 +377,28 @@ def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
     return paths
 
 
+def write_report(out: Path, meta: dict, runs: list[Run]) -> str:
+    """results.json (every run and figure), table.md and the plots; returns the tables as Markdown."""
+    rows = summarize(runs)
+    pairs = comparisons(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows) + "\n\n" + comparison_table(pairs)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "comparisons": pairs,
+                                                  "runs": [r.__dict__ for r in runs]}, indent=1, ensure_ascii=False))
+    (out / "table.md").write_text(table + "\n")
+    plot(rows, out, f"xtokspec bench ({meta['preset']}, {meta['max_new_tokens']} new tokens, {meta['device']})")
+    return table
+
+
 def main_bench(args: argparse.Namespace) -> int:
+    out = Path(args.out) / args.preset
+    if args.report_only:  # re-derive every figure and plot from the runs of an earlier results.json
+        path = out / "results.json"
+        if not path.is_file():
+            raise XTokSpecError(f"--report-only needs an earlier run's {path}; run the benchmark first")
+        saved = json.loads(path.read_text())
+        print(write_report(out, saved["meta"], [Run(**r) for r in saved["runs"]]))
+        return 0
     torch.set_num_threads(args.threads) if args.threads else None
     dtype = getattr(torch, args.dtype)
     models = load_preset(args.preset, dtype)
@@ -374,20 +408,10 @@ def main_bench(args: argparse.Namespace) -> int:
     else:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress)
-    rows = summarize(runs)
-    pairs = comparisons(runs)
-    out = Path(args.out) / args.preset
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "device": "cpu", "command": "xtokspec " + " ".join(args.argv)}
-    table += "\n\n" + comparison_table(pairs)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "comparisons": pairs,
-                                                  "runs": [r.__dict__ for r in runs]}, indent=1, ensure_ascii=False))
-    (out / "table.md").write_text(table + "\n")
-    plot(rows, out, f"xtokspec bench ({args.preset}, {args.max_new_tokens} new tokens, CPU)")
-    print(table)
+            "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
+    print(write_report(out, meta, runs))
     print(f"\nwritten: {out}/results.json, table.md, speedup*.png")
     return 0
 
@@ -402,4 +426,6 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--report-only", action="store_true",
+                       help="rebuild the tables and plots from OUT/PRESET/results.json without running anything")
     bench.set_defaults(func=main_bench)

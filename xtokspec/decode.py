@@ -141,7 +141,7 @@ class XTokSpec:
         for new_ids in self._cycles(prompt, max_new_tokens, stats, **kwargs):
             token_ids += new_ids
         stop = "eos" if token_ids and token_ids[-1] in self.target_eos else "length"
-        text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = self._decode(token_ids)
         return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stop)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
@@ -150,14 +150,18 @@ class XTokSpec:
         shown = ""
         for new_ids in self._cycles(prompt, max_new_tokens, stats or GenerationStats(), **kwargs):
             token_ids += new_ids
-            text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self._decode(token_ids)
             stable = text.rstrip("\ufffd")  # an incomplete trailing character decodes to U+FFFD: wait for it
             if len(stable) > len(shown) and stable.startswith(shown):
                 yield stable[len(shown) :]
                 shown = stable
-        text = self.target_tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = self._decode(token_ids)
         if text != shown:
             yield text[len(shown) :] if text.startswith(shown) else text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # NOTE: no clean-up: it deletes spaces before punctuation, and the text must be the tokens' own
+        return self.target_tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     @property
     def token_map(self):
