@@ -283,6 +283,7 @@ PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
          ("xtokspec-bridged-intersection", "xtokspec-bridged-onehot"),
          ("xtokspec-bridged-intersection", "hf-universal"), ("xtokspec-bridged-onehot", "hf-universal"),
          ("xtokspec-bridged-gemma", "hf-universal"), ("xtokspec-bridged-gemma", "xtokspec-same"),
+         ("xtokspec-bridged-gemma", "xtokspec-bridged-gemma-fixed-k"),
          ("xtokspec-bridged-gemma-intersection", "hf-universal"), ("xtokspec-bridged-gemma-onehot", "hf-universal"),
          ("xtokspec-bridged-gemma-intersection", "xtokspec-bridged-gemma-onehot"),
          ("xtokspec-bridged-smollm", "hf-universal-smollm")]
