@@ -21,12 +21,12 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.candidate_generator import AssistantToTargetTranslator
 
-from xtokspec import XTokSpec
+from xtokspec import XTokSpec, sampling
 from xtokspec.bench import REAL_PROMPTS, load_preset
 from xtokspec.models import fixtures_dir
+from xtokspec.types import SamplingParams
 
 JAPANESE = re.compile(r"[\u3040-\u30ff\u3400-\u9fff]")
 TEMPERATURES = (0.3, 0.7, 1.0)
@@ -40,6 +40,7 @@ def japanese_tokens(tokenizer, ids) -> int:
 @torch.no_grad()
 def mapped_mass(model, tokenizer, mapped: torch.Tensor, prompts: list[str], temperature: float) -> float:
     """Mean probability the draft puts on mapped ids along its own sampled continuations."""
+    warpers = sampling.build_warpers(SamplingParams(do_sample=True, temperature=temperature, top_k=50))
     torch.manual_seed(0)
     total, positions = 0.0, 0
     for prompt in prompts:
@@ -47,9 +48,9 @@ def mapped_mass(model, tokenizer, mapped: torch.Tensor, prompts: list[str], temp
         seq = model.generate(input_ids=ids, do_sample=True, temperature=temperature, top_k=50, top_p=1.0,
                              max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)  # (1, T)
         logits = model(input_ids=seq).logits[0, ids.shape[1] - 1 : -1]  # (n, V): rows that drew new tokens
-        logits = TopKLogitsWarper(50)(None, TemperatureLogitsWarper(temperature)(None, logits))
-        total += torch.softmax(logits, -1)[:, : mapped.shape[0]][:, mapped].sum().item()
-        positions += logits.shape[0]
+        probs = sampling.logits_to_probs(logits, warpers)  # (n, V)
+        total += probs[:, : mapped.shape[0]][:, mapped].sum().item()
+        positions += probs.shape[0]
     return total / positions
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .models import fixture_model, fixtures_dir
-from .types import SpecConfig, XTokSpecError
+from .types import SpecConfig, XTokSpecError, expected_tokens
 
 REAL_PROMPTS = ["The main advantages of Python are", "自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
                 "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
@@ -50,6 +50,11 @@ class Run:
     draft_calls: int
     stats: dict = field(default_factory=dict)  # xtokspec's own GenerationStats, when it is xtokspec
     stopped_eos: bool = False  # the continuation ended with the target's EOS
+
+    @property
+    def seconds_per_token(self) -> float:
+        # NOTE: per token: sampled runs of the same prompt can stop (EOS) at different lengths
+        return self.seconds / max(self.new_tokens, 1)
 
 
 @dataclass
@@ -204,7 +209,7 @@ def theoretical_speedup(stats: dict, target_step: float) -> float | None:
     cycles = stats["target_forwards"]
     a = min(stats["token_acceptance"], 0.999)
     lengths = stats.get("proposal_lengths") or [stats["drafted"] / cycles]
-    tokens = sum((1 - a ** (k + 1)) / (1 - a) for k in lengths) / len(lengths)
+    tokens = sum(expected_tokens(a, k) for k in lengths) / len(lengths)
     cost = (stats["draft_seconds"] + stats["verify_seconds"]) / cycles
     return tokens / (cost / target_step)
 
@@ -212,12 +217,12 @@ def theoretical_speedup(stats: dict, target_step: float) -> float | None:
 def summarize(runs: list[Run]) -> list[dict]:
     """One row per (mode, system) with medians over prompts and spreads."""
     rows = []
-    # NOTE: per-token times: sampled runs of the same prompt can stop (EOS) at different lengths.
-    target_step = {(r.mode, r.prompt): r.seconds / max(r.new_tokens, 1) for r in runs if r.system == "target"}
+    target_step = {(r.mode, r.prompt): r.seconds_per_token for r in runs if r.system == "target"}
     for mode in dict.fromkeys(r.mode for r in runs):
+        target = [r for r in runs if r.mode == mode and r.system == "target"]
         for system in dict.fromkeys(r.system for r in runs if r.mode == mode):
             sel = [r for r in runs if r.mode == mode and r.system == system]
-            speedups = [target_step[(mode, r.prompt)] / (r.seconds / max(r.new_tokens, 1)) for r in sel]
+            speedups = [target_step[(mode, r.prompt)] / r.seconds_per_token for r in sel]
             med, lo, hi = _median_iqr(speedups)
             row = {
                 "mode": mode, "system": system, "prompts": len(sel),
@@ -236,7 +241,7 @@ def summarize(runs: list[Run]) -> list[dict]:
                 row["theory_speedup"] = statistics.median(t for t in theory if t) if shares else None
                 row["of_theory"] = statistics.median(shares) if shares else None
             if mode != "greedy":
-                row.update(eos_check(sel, [r for r in runs if r.mode == mode and r.system == "target"]))
+                row.update(eos_check(sel, target))
             rows.append(row)
     return rows
 
@@ -265,8 +270,8 @@ def paired(runs: list[Run], mode: str, a: str, b: str, resamples: int = 10_000) 
     """
     import numpy as np
 
-    time_a = {r.prompt: r.seconds / max(r.new_tokens, 1) for r in runs if r.mode == mode and r.system == a}
-    time_b = {r.prompt: r.seconds / max(r.new_tokens, 1) for r in runs if r.mode == mode and r.system == b}
+    time_a = {r.prompt: r.seconds_per_token for r in runs if r.mode == mode and r.system == a}
+    time_b = {r.prompt: r.seconds_per_token for r in runs if r.mode == mode and r.system == b}
     common = sorted(time_a.keys() & time_b.keys())
     if not common:
         return None

@@ -25,7 +25,14 @@ from . import sampling
 from .bridge import TextSync, TokenCodec, build_token_map
 from .cache import ModelState, input_device
 from .models import load
-from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError
+from .types import (
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    SpecConfig,
+    XTokSpecError,
+    expected_tokens,
+)
 
 # generation_config fields whose non-neutral values add logits processors xtokspec does not implement.
 _NEUTRAL = {
@@ -105,7 +112,7 @@ class DraftLengthPolicy:
         best, best_rate = 1, 0.0
         for k in range(1, self.config.max_draft_tokens + 1):
             m = self.proposals_per_draft * k
-            rate = (1 - a ** (m + 1)) / (1 - a) / (k * self.draft_step + max(self._verify_cost(m), 1e-6))
+            rate = expected_tokens(a, m) / (k * self.draft_step + max(self._verify_cost(m), 1e-6))
             if rate > best_rate:
                 best, best_rate = k, rate
         self.k = best

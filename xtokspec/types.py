@@ -1,4 +1,4 @@
-"""Plain data: sampling parameters, decoding config, per-call statistics and results.
+"""Plain data: sampling parameters, decoding config, per-call statistics and results (and eq. 1 of the paper).
 
 Nothing here knows about torch or transformers; every other module imports from here.
 """
@@ -65,6 +65,11 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
+
+
+def expected_tokens(alpha: float, proposals: float) -> float:
+    """Tokens a cycle commits on average with per-token acceptance alpha < 1 (Leviathan et al. 2023, eq. 1)."""
+    return (1 - alpha ** (proposals + 1)) / (1 - alpha)
 
 
 @dataclass
