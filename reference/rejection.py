@@ -53,9 +53,10 @@ def sample_race(probs: np.ndarray, noise: np.ndarray) -> int:
     positive = probs > 0
     if not positive.any():
         raise ValueError("sample_race needs at least one token with positive probability")
-    # NOTE: mask instead of dividing everywhere: 0/0 would be NaN, and argmax picks NaN first.
-    with np.errstate(divide="ignore"):
-        race = np.where(positive, probs / noise, -np.inf)
+    # NOTE: divide only where probs > 0: 0/0 would be NaN (and a warning), and argmax picks NaN first.
+    race = np.full(probs.shape, -np.inf)
+    with np.errstate(divide="ignore"):  # noise 0 (probability 0 under Exp(1)) gives +inf: that token wins
+        race[positive] = probs[positive] / noise[positive]
     return int(np.argmax(race))
 
 

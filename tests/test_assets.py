@@ -106,7 +106,7 @@ def test_missing_cache_error_tells_how_to_fetch(tmp_path: Path) -> None:
     with pytest.raises(MissingModelError) as info:
         real_model_dir("qwen2.5-coder-0.5b", cache_dir=tmp_path)
     msg = str(info.value)
-    assert "python -m xtokspec.assets" in msg
+    assert "xtokspec fetch" in msg
     assert "qwen2.5-coder-0.5b" in msg
     assert str(tmp_path) in msg
     assert isinstance(info.value, FileNotFoundError)

@@ -33,3 +33,138 @@ def test_fetch_passes_its_own_options(capsys):
     assert main(["fetch", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma-3-270m", "smollm2-135m"))
+
+
+# ---------------------------------------------------------------- a new user's first ten minutes (issue 12)
+class _NoModels:
+    """Stands in for XTokSpec: records what the CLI asked for; loading it at all can be made an error."""
+
+    calls: list = []
+    forbid = False
+
+    def __init__(self, large, small, **kwargs):
+        if _NoModels.forbid:
+            raise AssertionError("models were loaded before the input was checked")
+        self.large, self.small = large, small
+
+    def describe(self):
+        return "target (fake); draft (fake)"
+
+    def generate(self, prompt, **kwargs):
+        from xtokspec.types import GenerationResult, GenerationStats
+
+        _NoModels.calls.append((prompt, kwargs))
+        return GenerationResult(text="ok", token_ids=[1], stats=GenerationStats(stop_reason="length"),
+                                stop_reason="length")
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    import xtokspec.decode
+
+    monkeypatch.setattr(xtokspec.decode, "XTokSpec", _NoModels)
+    _NoModels.calls, _NoModels.forbid = [], False
+    return _NoModels
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["", "--max-new-tokens", "4"], "prompt is empty"),
+        (["東京", "--top-k", "-1"], "top_k must be an integer >= 0"),
+        (["東京", "--temperature", "-1"], "temperature must be >= 0"),
+        (["東京", "--top-p", "0"], r"top_p must be in (0, 1]"),
+        (["東京", "--sample", "--temperature", "0"], "temperature 0 means greedy decoding"),
+        (["東京", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["東京\ud800"], "lone surrogate"),
+        ([], "no prompt: give it as an argument, '-' to read stdin, or --prompt-file"),
+        (["東京", "--prompt-file", "x.txt"], "either as an argument or with --prompt-file, not both"),
+        (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file"),
+    ],
+)
+def test_bad_input_is_named_before_any_model_loads(no_models, capsys, args, message):
+    no_models.forbid = True
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert "xtokspec: error:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags,do_sample,note",
+    [
+        ([], None, None),  # the target's generation_config decides (greedy for the bundled models)
+        (["--temperature", "0"], False, "temperature 0: greedy decoding"),
+        (["--temperature", "0.7"], True, "--temperature implies --sample"),
+        (["--top-k", "20", "--top-p", "0.9"], True, "--top-k and --top-p imply --sample"),
+        (["--sample"], True, None),
+    ],
+)
+def test_sampling_flags_imply_sample_and_temperature_zero_is_greedy(no_models, capsys, flags, do_sample, note):
+    assert main(["generate", "東京", *flags]) == 0
+    (_prompt, kwargs), = no_models.calls
+    assert kwargs["do_sample"] is do_sample
+    err = capsys.readouterr().err
+    assert (note in err) if note else ("note:" not in err), err
+
+
+def test_prompt_from_stdin_and_from_a_file(no_models, monkeypatch, tmp_path):
+    import io
+
+    long_prompt = "ファイルシステムの設定。" * 20_000  # 240k characters: too long for an argument list
+    monkeypatch.setattr("sys.stdin", io.StringIO(long_prompt + "\n"))
+    assert main(["generate", "-"]) == 0
+    path = tmp_path / "prompt.txt"
+    path.write_text("設定ファイル\n", encoding="utf-8")
+    assert main(["generate", "--prompt-file", str(path)]) == 0
+    assert [prompt for prompt, _ in no_models.calls] == [long_prompt, "設定ファイル"]
+
+
+def test_bundled_names_are_the_defaults(no_models):
+    import xtokspec.decode
+
+    seen = {}
+    real_init = _NoModels.__init__
+
+    def record(self, large, small, **kwargs):
+        seen.update(large=large, small=small, dtype=kwargs["large_kwargs"]["dtype"])
+        real_init(self, large, small, **kwargs)
+
+    xtokspec.decode.XTokSpec.__init__ = record
+    try:
+        assert main(["generate", "東京"]) == 0
+    finally:
+        _NoModels.__init__ = real_init
+    assert seen == {"large": "ja-target", "small": "ja-draft-bpe", "dtype": "auto"}
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+    from xtokspec.cli import build_parser
+
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    missing = [a.dest for a in generate._actions if not a.help]
+    assert not missing, f"options without help text: {missing}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: ja-target)" in out and "(default: auto)" in out and "(default: 128)" in out
+
+
+def test_fetch_help_names_the_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["fetch", "--help"])
+    assert capsys.readouterr().out.startswith("usage: xtokspec fetch")
+
+
+@pytest.mark.slow
+def test_cli_and_api_give_the_same_text(capsys):
+    """Both load the checkpoint's own dtype (transformers' default), so the same prompt gives the same text."""
+    from xtokspec import XTokSpec
+
+    prompt = "ファイルシステムをマウントするには"
+    assert main(["generate", prompt, "--max-new-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    api = XTokSpec("ja-target", "ja-draft-bpe")
+    assert out == api.generate(prompt, max_new_tokens=24).text + "\n"
+    assert "bfloat16" in err and "stopped:" in err

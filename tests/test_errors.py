@@ -53,7 +53,7 @@ def test_unsupported_generation_config_is_named(sp_tokenizer, bpe_tokenizer):
 def test_wrong_model_argument_is_named():
     with pytest.raises(XTokSpecError, match=r"target \(large\): expected a path, a hub id or a \(model, tokenizer\) pair"):
         XTokSpec(42, "x")
-    with pytest.raises(XTokSpecError, match="could not load '/nonexistent/model'"):
+    with pytest.raises(XTokSpecError, match="no such model folder: '/nonexistent/model'"):
         XTokSpec("/nonexistent/model", "/nonexistent/draft")
 
 
@@ -87,3 +87,81 @@ def test_result_text_skips_the_tokenizers_clean_up(tiny_spec, monkeypatch):
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert tokenizer.decode(ids, skip_special_tokens=True) != text  # the control: clean-up does change it here
     assert tiny_spec._decode(ids) == text
+
+
+# ---------------------------------------------------------------- a new user's first calls (issue 12)
+def test_temperature_zero_means_greedy(tiny_spec):
+    """temperature=0 without do_sample is the usual way to ask for greedy output: no error, greedy ids."""
+    greedy = tiny_spec.generate("東京", max_new_tokens=6).token_ids
+    assert tiny_spec.generate("東京", max_new_tokens=6, temperature=0).token_ids == greedy
+    assert tiny_spec.generate("東京", max_new_tokens=6, temperature=0.0, do_sample=False).token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -1}, r"temperature must be >= 0 \(0 means greedy"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"seed": "x"}, "seed must be an integer"),
+        ({"do_sample": True, "temperature": 0}, "temperature 0 means greedy decoding: use do_sample=False"),
+    ],
+)
+def test_invalid_sampling_values_are_named_even_when_greedy(tiny_spec, kwargs, match):
+    with pytest.raises(XTokSpecError, match=match):
+        tiny_spec.generate("東京", max_new_tokens=2, **kwargs)
+
+
+def test_sampling_values_without_do_sample_warn_and_stay_greedy(tiny_spec):
+    greedy = tiny_spec.generate("東京", max_new_tokens=6).token_ids
+    with pytest.warns(UserWarning, match=r"\{'temperature': 0.7\} only apply when sampling"):
+        ids = tiny_spec.generate("東京", max_new_tokens=6, temperature=0.7).token_ids
+    assert ids == greedy
+
+
+def test_lone_surrogate_prompt_is_named(tiny_spec):
+    with pytest.raises(XTokSpecError, match="lone surrogate"):
+        tiny_spec.generate("東京\ud800", max_new_tokens=2)
+
+
+def test_context_limit_has_its_own_stop_reason(tiny_spec):
+    prompt = "東京"
+    while len(tiny_spec.target.encode_prompt(prompt + "東京")) < 240:
+        prompt += "東京"
+    n_prompt = len(tiny_spec.target.encode_prompt(prompt))  # ~240 of the tiny target's 256 positions
+    result = tiny_spec.generate(prompt, max_new_tokens=100)
+    eos = result.token_ids[-1] in tiny_spec.target_eos
+    assert result.stop_reason == ("eos" if eos else "context"), result.stop_reason
+    if not eos:
+        assert n_prompt + len(result.token_ids) == 256
+    assert tiny_spec.generate("東京", max_new_tokens=3).stop_reason in ("eos", "length")
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("./no/such/model", r"no such model folder: './no/such/model'"),
+        ("path/to/large", r"no such model folder: 'path/to/large'"),
+        ("tests/no-such-model", r"no such model folder"),  # first part is a folder here: local, not a hub id
+        ("ja-targt", r"did you mean the bundled 'ja-target'"),
+        ("tests", r"'tests' has no config.json: not a transformers model folder"),
+    ],
+)
+def test_local_looking_paths_fail_fast_without_a_hub_lookup(name, match, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a hub lookup was attempted")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    with pytest.raises(XTokSpecError, match=match):
+        XTokSpec(name, "ja-draft-bpe")
+
+
+def test_bundled_names_resolve_to_the_fixtures():
+    from xtokspec.models import fixtures_dir, resolve
+
+    for name in ("ja-target", "ja-draft-same", "ja-draft-bpe"):
+        assert resolve(name, "target") == fixtures_dir() / "models" / name
+    assert resolve("gpt2", "target") == "gpt2"  # a hub id stays a hub id

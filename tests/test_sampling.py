@@ -94,7 +94,7 @@ def test_bad_logits_are_named():
     "kwargs,match",
     [
         (dict(temperature=0.0), "temperature must be > 0"),
-        (dict(temperature=-1.0), "temperature must be > 0"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
         (dict(temperature=float("nan")), "finite"),
         (dict(top_p=0.0), "top_p must be in"),
         (dict(top_p=1.5), "top_p must be in"),

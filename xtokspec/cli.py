@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .bench import add_bench_parser
-from .models import fixture_model
-from .types import SpecConfig, XTokSpecError
+from .models import FIXTURE_NAMES
+from .types import SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
-_DTYPES = ("float32", "bfloat16", "float16", "auto")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_STOPPED = {"eos": "the target emitted EOS", "length": "--max-new-tokens reached",
+            "context": "the target's context is full (max_position_embeddings)"}
 
 
 def _load_kwargs(dtype: str, device: str | None) -> dict:
@@ -21,31 +24,77 @@ def _load_kwargs(dtype: str, device: str | None) -> dict:
     return kwargs
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from .decode import XTokSpec
-    from .types import GenerationStats
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the argument, from stdin ('-') or from --prompt-file (one trailing newline dropped)."""
+    if args.prompt_file is not None and args.prompt is not None:
+        raise XTokSpecError("give the prompt either as an argument or with --prompt-file, not both")
+    if args.prompt_file is None and args.prompt is None:
+        raise XTokSpecError("no prompt: give it as an argument, '-' to read stdin, or --prompt-file PATH")
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise XTokSpecError(f"cannot read --prompt-file {args.prompt_file!r}: {err}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        return args.prompt
+    return text[:-1] if text.endswith("\n") else text
 
+
+def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
+    """(do_sample, notes): --temperature/--top-k/--top-p imply --sample; --temperature 0 means greedy."""
+    given = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None]
+    if args.sample:
+        return True, []
+    if args.temperature == 0:
+        return False, ["temperature 0: greedy decoding"]
+    if given:
+        return True, [f"{' and '.join(given)} {'implies' if len(given) == 1 else 'imply'} --sample"]
+    return None, []  # the target's generation_config decides (greedy for the bundled models)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    # Everything that can be checked without the models is checked first (loading takes seconds).
+    prompt = _read_prompt(args)
+    check_prompt(prompt)
+    if args.max_new_tokens <= 0:
+        raise XTokSpecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    do_sample, notes = _sampling(args)
+    if do_sample:
+        SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
+                       top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
         adaptive=not args.fixed_k, proposal=args.proposal,
     )
+    for note in notes:
+        print(f"[xtokspec] note: {note}", file=sys.stderr)
+
+    from transformers.utils import logging as hf_logging
+
+    from .decode import XTokSpec
+    from .types import GenerationStats
+
+    hf_logging.disable_progress_bar()  # NOTE: no weight-loading bars on every run
     spec = XTokSpec(
-        args.target or fixture_model("ja-target"), args.draft or fixture_model("ja-draft-bpe"), config=config,
+        args.target, args.draft, config=config,
         large_kwargs=_load_kwargs(args.dtype, args.target_device),
         small_kwargs=_load_kwargs(args.dtype, args.draft_device),
     )
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed,
+                  temperature=None if do_sample is False else args.temperature, top_k=args.top_k, top_p=args.top_p)
+    stats = GenerationStats()
     if args.stream:
-        stats = GenerationStats()
-        for piece in spec.stream(args.prompt, stats=stats, **kwargs):
+        for piece in spec.stream(prompt, stats=stats, **kwargs):
             print(piece, end="", flush=True)
         print()
     else:
-        result = spec.generate(args.prompt, **kwargs)
+        result = spec.generate(prompt, **kwargs)
         print(result.text)
         stats = result.stats
-    print(f"[xtokspec] {stats.proposal}: {stats.summary()}", file=sys.stderr)
+    print(f"[xtokspec] {spec.describe()}", file=sys.stderr)
+    print(f"[xtokspec] {stats.proposal}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
     return 0
 
 
@@ -53,22 +102,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtokspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="continue a prompt with speculative decoding (fixture models by default)")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", help="target (large) model folder or hub id (default: fixture ja-target)")
-    gen.add_argument("--draft", help="draft (small) model folder or hub id (default: fixture ja-draft-bpe)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--proposal", choices=("auto", "onehot", "intersection"), default="auto")
-    gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens)
+    gen = sub.add_parser(
+        "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="continue a prompt with speculative decoding (bundled fixture models by default)",
+        description="Continue a prompt with speculative decoding; the output is the target's own (greedy: token "
+        "for token; sampling: the same distribution). Prints the continuation, then the models and statistics "
+        "on stderr.",
+    )
+    gen.add_argument("prompt", nargs="?", default=None, help="text to continue; '-' reads it from stdin")
+    gen.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file (for long prompts)")
+    names = ", ".join(FIXTURE_NAMES)
+    gen.add_argument("--target", default="ja-target",
+                     help=f"target (large) model: a folder, a hub id, or a bundled name ({names})")
+    gen.add_argument("--draft", default="ja-draft-bpe",
+                     help=f"draft (small) model: a folder, a hub id, or a bundled name ({names})")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to add (target tokens)")
+    gen.add_argument("--sample", action="store_true",
+                     help="sample instead of greedy decoding (implied by --temperature > 0, --top-k, --top-p)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature; 0 means greedy (default: the target's generation_config, else 1.0)")
+    gen.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens; 0 disables "
+                     "(default: the target's generation_config, else 50)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling mass in (0, 1]; 1 disables (default: the target's generation_config, else 1.0)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    gen.add_argument("--proposal", choices=("auto", "onehot", "intersection"), default="auto",
+                     help="how a cross-tokenizer draft proposes when sampling (see README)")
+    gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                     help="draft tokens per cycle at the start (adaptive K changes it from measured costs)")
     gen.add_argument("--fixed-k", action="store_true", help="always draft --num-draft-tokens (no adaptive K)")
-    gen.add_argument("--dtype", choices=_DTYPES, default="float32")
-    gen.add_argument("--target-device", default=None, help="e.g. cuda:0 or auto (accelerate device_map)")
-    gen.add_argument("--draft-device", default=None)
+    gen.add_argument("--dtype", choices=_DTYPES, default="auto",
+                     help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
+                     "Python API load it (bfloat16 for the bundled models)")
+    gen.add_argument("--target-device", default=None, help="e.g. cuda:0, or auto (accelerate device_map)")
+    gen.add_argument("--draft-device", default=None, help="e.g. cpu or cuda:0")
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")
     gen.set_defaults(func=_generate)
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,7 @@ from .types import (
     SamplingParams,
     SpecConfig,
     XTokSpecError,
+    check_prompt,
     expected_tokens,
 )
 
@@ -138,6 +141,16 @@ class XTokSpec:
         self._token_map = None
 
     # ---------------------------------------------------------------- public API
+    def describe(self) -> str:
+        """One line naming both models with their class, dtype and device (the CLI prints it)."""
+
+        def one(role, model):
+            name = Path(str(getattr(model, "name_or_path", "") or "?")).name
+            dtype = str(model.dtype).removeprefix("torch.")
+            return f"{role} {name} ({type(model).__name__}, {dtype}, {input_device(model)})"
+
+        return f"{one('target', self.target_model)}; {one('draft', self.draft_model)}"
+
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
 
@@ -147,9 +160,8 @@ class XTokSpec:
         token_ids: list[int] = []
         for new_ids in self._cycles(prompt, max_new_tokens, stats, **kwargs):
             token_ids += new_ids
-        stop = "eos" if token_ids and token_ids[-1] in self.target_eos else "length"
         text = self._decode(token_ids)
-        return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stop)
+        return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stats.stop_reason)
 
     def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
         """Yield the continuation's text as soon as it is verified (whole characters only)."""
@@ -195,17 +207,23 @@ class XTokSpec:
             return _SAMPLING_DEFAULTS[name] if value is None else value
 
         do_sample = bool(gc.do_sample) if do_sample is None else do_sample
-        return SamplingParams(
+        params = SamplingParams(
             do_sample=do_sample, temperature=pick("temperature", temperature), top_k=pick("top_k", top_k),
             top_p=pick("top_p", top_p), seed=seed,
         )
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        ignored = {k: v for k, v in given.items() if v is not None and not (k == "temperature" and v == 0)}
+        if not do_sample and ignored:
+            # NOTE: as transformers' generate does: greedy decoding ignores them, and says so.
+            warnings.warn(
+                f"{ignored} only apply when sampling, and do_sample is False (greedy decoding): they are ignored; "
+                "pass do_sample=True to sample", UserWarning, stacklevel=4,  # user code -> generate -> _cycles
+            )
+        return params
 
     # ---------------------------------------------------------------- the loop
     def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
-        if not isinstance(prompt, str):
-            raise XTokSpecError(f"prompt must be a str, got {type(prompt).__name__}")
-        if not prompt:
-            raise XTokSpecError("prompt is empty: give at least one character of text to continue")
+        check_prompt(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         target_ids = self.target.encode_prompt(prompt)
@@ -219,6 +237,7 @@ class XTokSpec:
 
     def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, proposal=None, num_draft_tokens=None, adaptive=None) -> Iterator[list[int]]:
+        check_prompt(prompt)
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
         config = self.config
@@ -253,7 +272,7 @@ class _Run:
         self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
         self.policy = DraftLengthPolicy(config)
         self.min_confidence = config.draft_confidence
-        self.warpers = sampling.build_warpers(params)
+        self.warpers = sampling.build_warpers(params) if params.do_sample else None
         self.target_limit = getattr(spec.target_model.config, "max_position_embeddings", None) or 1 << 30
         self.draft_limit = getattr(spec.draft_model.config, "max_position_embeddings", None) or 1 << 30
         self.sync = TextSync(spec.target, spec.draft, config.draft_lookbehind)
@@ -302,8 +321,14 @@ class _Run:
             produced += len(new_ids)
             self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
             stats.wall_seconds = time.perf_counter() - start
+            if new_ids[-1] in spec.target_eos:
+                stats.stop_reason = "eos"
+            elif produced >= max_new_tokens:
+                stats.stop_reason = "length"
+            elif len(target.ids) >= self.target_limit:
+                stats.stop_reason = "context"  # NOTE: the target alone could not go on either
             yield new_ids
-            if new_ids[-1] in spec.target_eos or len(target.ids) >= self.target_limit:
+            if stats.stop_reason:
                 return
 
     def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s) -> None:
@@ -319,6 +344,7 @@ class _Run:
         s.verify_seconds += verify_s
         s.draft_lengths.append(drafted)
         s.proposal_lengths.append(proposed)
+        s.accepted_lengths.append(accepted)
         self.policy.update(drafted, proposed, accepted, draft_s, verify_s)
 
     # ---------------------------------------------------------------- 1. draft

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from pathlib import Path
 
 from .types import XTokSpecError
@@ -31,8 +33,38 @@ def fixture_model(name: str) -> Path:
     return fixtures_dir() / "models" / name
 
 
+# A hub id: "name" or "owner/name", letters, digits, "-", "_", "." (huggingface_hub's rule, simplified).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def resolve(spec: str | os.PathLike, role: str) -> str | Path:
+    """A model argument -> an existing folder, a bundled fixture's folder, or a hub id; fails fast otherwise.
+
+    Order: an existing path wins; then a bundled name (ja-target, ja-draft-same, ja-draft-bpe); then a hub id.
+    Anything that looks like a local path (starts with / . ~, has a backslash or more than one /, or starts
+    with a folder that exists here) and does not exist is an error at once, instead of a hub lookup that retries for a minute on a machine without access.
+    """
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise XTokSpecError(f"{role}: {text!r} is a file; give the model's folder (with config.json)")
+        if not (path / "config.json").exists():
+            raise XTokSpecError(f"{role}: {text!r} has no config.json: not a transformers model folder")
+        return path
+    if text in FIXTURE_NAMES:
+        return fixture_model(text)
+    first = text.split("/", 1)[0]
+    if not _HUB_ID.match(text) or ("/" in text and Path(first).is_dir()):  # NOTE: "fixtures/modl" is local
+        raise XTokSpecError(f"{role}: no such model folder: {text!r}")
+    close = difflib.get_close_matches(text, FIXTURE_NAMES, n=1, cutoff=0.8)
+    if close:
+        raise XTokSpecError(f"{role}: no model folder {text!r}; did you mean the bundled {close[0]!r}?")
+    return text
+
+
 def load(spec, role: str, **load_kwargs):
-    """(model, tokenizer) from a folder / hub id, or from an already loaded (model, tokenizer) pair.
+    """(model, tokenizer) from a folder, a bundled fixture name, a hub id, or a loaded (model, tokenizer) pair.
 
     `load_kwargs` (dtype, device_map, quantization_config, ...) pass through to `from_pretrained`.
     """
@@ -47,9 +79,10 @@ def load(spec, role: str, **load_kwargs):
         raise XTokSpecError(f"{role}: expected a path, a hub id or a (model, tokenizer) pair, got {type(spec).__name__}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    spec = resolve(spec, role)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, **load_kwargs)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # NOTE: transformers raises ValueError for unreadable tokenizer files
         raise XTokSpecError(f"{role}: could not load {str(spec)!r} ({err.__class__.__name__}: {err})") from err
     return model.eval(), tokenizer

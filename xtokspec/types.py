@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
+# Why a generation ended: the target emitted EOS; max_new_tokens were produced; or the target's context
+# (max_position_embeddings) is full, so the target alone could not have gone on either.
+STOP_REASONS = ("eos", "length", "context")
 
 
 class XTokSpecError(ValueError):
@@ -30,20 +33,42 @@ class SamplingParams:
     seed: int | None = None  # seeds this call's generators; None draws from torch's global RNG
 
     def __post_init__(self) -> None:
+        # NOTE: checked whether or not we sample: an invalid value is a mistake either way. Greedy decoding
+        # ignores the values (transformers' generate warns about them), and accepts temperature 0, the usual
+        # way of asking for greedy output.
         if not isinstance(self.do_sample, bool):
             raise XTokSpecError(f"do_sample must be True or False, got {self.do_sample!r}")
-        if not self.do_sample:
-            return
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+        if isinstance(self.temperature, bool) or not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        ):
             raise XTokSpecError(f"temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature <= 0:
+        if self.temperature < 0:
+            raise XTokSpecError(f"temperature must be >= 0 (0 means greedy decoding), got {self.temperature}")
+        if self.do_sample and self.temperature == 0:
             raise XTokSpecError(
-                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy"
+                "temperature must be > 0 when sampling; temperature 0 means greedy decoding: use do_sample=False"
             )
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise XTokSpecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise XTokSpecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_p, bool) or not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise XTokSpecError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise XTokSpecError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+def check_prompt(prompt) -> None:
+    """Raise XTokSpecError unless `prompt` is non-empty text that encodes as UTF-8 (cheap: run it first)."""
+    if not isinstance(prompt, str):
+        raise XTokSpecError(f"prompt must be a str, got {type(prompt).__name__}")
+    if not prompt:
+        raise XTokSpecError("prompt is empty: give at least one character of text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise XTokSpecError(
+            f"prompt is not valid Unicode text: character {err.start} is {prompt[err.start]!r}, a lone surrogate "
+            "(half of a UTF-16 pair, e.g. from a broken decode); no tokenizer can encode it"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -87,8 +112,15 @@ class GenerationStats:
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
     proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge")
+    stop_reason: str = ""  # see STOP_REASONS; set when generation ends
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals each cycle
+    accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
+
+    @property
+    def max_accepted_in_a_cycle(self) -> int:
+        """The most proposals one cycle accepted: >= 2 means a cycle's second proposal was verified."""
+        return max(self.accepted_lengths, default=0)
 
     @property
     def acceptance_rate(self) -> float:
@@ -128,4 +160,4 @@ class GenerationResult:
     text: str  # decoded continuation (target tokenizer, special tokens skipped), prompt excluded
     token_ids: list[int]  # target-tokenizer ids of the continuation, EOS included if it stopped there
     stats: GenerationStats
-    stop_reason: str  # "eos" or "length"
+    stop_reason: str  # "eos", "length" or "context" (STOP_REASONS)
