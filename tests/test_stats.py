@@ -9,7 +9,9 @@ deliberately wrong sampler on the same sample size and asserts that the same che
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
+import math
+import sys
 
 import numpy as np
 import pytest
@@ -17,13 +19,10 @@ import torch
 
 import reference
 from xtokspec import sampling
-from xtokspec.decode import _Run
 from xtokspec.types import SamplingParams
 
 NUM_TESTS = 10  # statistical tests in this file (test_budget_count checks it)
 ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 8e-5
-
-pytestmark = pytest.mark.stats
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -68,6 +67,7 @@ def recovered_from_target(p, q, draft, uniforms, noise):
     return n, int(sampling.race(p[n], noise))
 
 
+@pytest.mark.stats
 def test_block_first_token_is_target_distributed(tables):
     p, q = tables
     result = reference.assert_same_distribution(
@@ -79,6 +79,7 @@ def test_block_first_token_is_target_distributed(tables):
     assert result.pvalue >= ALPHA
 
 
+@pytest.mark.stats
 def test_accepted_count_distribution(tables):
     p, q = tables
     exact = reference.accepted_count_distribution(p, q)
@@ -93,6 +94,7 @@ def test_accepted_count_distribution(tables):
     assert reference.chisquare_test(wrong, exact, ALPHA).rejected
 
 
+@pytest.mark.stats
 def test_onehot_block_first_token(tables):
     p, q = tables
     counts = np.bincount([s[0] for s in run_blocks(p, q, 3, onehot=True)], minlength=V)
@@ -106,6 +108,7 @@ def test_onehot_block_first_token(tables):
     assert reference.chisquare_test(wrong, p[0], ALPHA).rejected
 
 
+@pytest.mark.stats
 def test_mapped_proposal_first_token():
     """A draft over another vocabulary (8 ids, 2 unmapped, 2 sharing a target id) mapped onto V target ids."""
     rng = np.random.default_rng(4)
@@ -127,13 +130,28 @@ def test_mapped_proposal_first_token():
 
 
 # ---------------------------------------------------------------- B. end to end on the fixture models
-N_E2E = 1000
-LENGTH = 2
-SETTINGS = {"t1.0-k4": dict(temperature=1.0, top_k=4, top_p=1.0), "t0.7-k8-p0.9": dict(temperature=0.7, top_k=8, top_p=0.9)}
-# Held-out prompts where the path accepts >= 45% (measured), and where the draft is unsure of its first token:
-# after "LibreOff" the restricted (intersection) draft is all but certain of "ice", so no drafting flaw shows.
-PROMPTS = {"same-tokenizer": "これでこのデータソースが LibreOff", "onehot": "これでこのデータソースが LibreOff",
-           "intersection": "使用する C コンパイラが"}
+# Three new tokens with K fixed at 3: the first cycle carries min(K, LENGTH - 1) = 2 proposals, so the loop's
+# handling of a cycle's second position (its proposal row, map and residual, the cache rollback after a
+# later rejection) is on the tested path. Each test asserts that at least MIN_DEEP_SHARE of its runs
+# accepted 2 proposals in one cycle, so that it cannot quietly stop reaching the deep position, and runs
+# two negative controls through the functions the loop really calls (monkeypatched in `sampling`): one
+# flawed at a cycle's first proposal only, one at its later proposals only. Both must fail the same check.
+N_E2E = 2000
+LENGTH = 3
+NUM_DRAFT_TOKENS = 3
+MIN_DEEP_SHARE = 0.25
+SETTINGS = {"t1.0-k3": dict(temperature=1.0, top_k=3, top_p=1.0), "t0.7-k6-p0.9": dict(temperature=0.7, top_k=6, top_p=0.9)}
+# Held-out prompts (fixtures/data/prompts.txt) where the path reaches its second proposal often (measured by
+# tests/tools/deep_prompts.py) and where both controls fail at N_E2E.
+PROMPTS = {
+    ("same-tokenizer", "t1.0-k3"): "使用する C コンパイラが",
+    ("same-tokenizer", "t0.7-k6-p0.9"): "使用する C コンパイラが",
+    ("onehot", "t1.0-k3"): "使用する C コンパイラが",
+    ("onehot", "t0.7-k6-p0.9"): "使用する C コンパイラが",
+    ("intersection", "t1.0-k3"): "使用する C コンパイラが",
+    ("intersection", "t0.7-k6-p0.9"): "使用する C コンパイラが",
+}
+FIRST, DEEP = "first", "deep"  # which proposals of a cycle a control corrupts: the first, or the second on
 
 
 def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length: int, eos: set[int]):
@@ -157,56 +175,76 @@ def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length
 
 
 def sample_continuations(spec, setting, proposal, prompt, n=N_E2E):
-    samples, drafted, accepted = [], 0, 0
+    """n seeded generations -> (continuations, share of runs with a cycle that accepted >= 2 proposals)."""
+    samples, deep = [], 0
     for seed in range(n):
         result = spec.generate(prompt, max_new_tokens=LENGTH, do_sample=True, seed=seed, proposal=proposal,
-                               num_draft_tokens=2, adaptive=False, **setting)
+                               num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False, **setting)
         samples.append(tuple(result.token_ids))
-        drafted += result.stats.drafted
-        accepted += result.stats.accepted
-    return samples, accepted / max(drafted, 1)
+        deep += result.stats.max_accepted_in_a_cycle >= 2
+    return samples, deep / n
 
 
-def flawed_draft(self, draft, k):
-    """WRONG: the draft samples at a quarter of the temperature but reports q at the right one.
-
-    (Colder, so that the sampled token stays inside q's top-k/top-p support and the flaw shows up in the
-    distribution rather than as the loop's zero-probability consistency error.)"""
-    ids, rows = [], []
-    hot = sampling.build_warpers(dataclasses.replace(self.params, temperature=0.25 * self.params.temperature))
-    for _ in range(k):
-        logits = draft.forward(keep=1)
-        q_row = sampling.logits_to_probs(logits, self.warpers)[0]
-        sample_row = sampling.logits_to_probs(logits, hot)[0]
-        if self.kind == "intersection" and not self.sync.pending:
-            q_row, sample_row = q_row * self.mapped_mask, sample_row * self.mapped_mask
-            if float(q_row.sum()) <= 0 or float(sample_row.sum()) <= 0:
-                break  # as the real loop does: no mapped mass, no drafting
-            q_row, sample_row = q_row / q_row.sum(), sample_row / sample_row.sum()
-        noise = sampling.exponential_noise(sample_row.shape, self.draft_gen, sample_row.device)
-        token = int(sampling.race(sample_row, noise))
-        rows.append(q_row)
-        draft.ids.append(token)
-        ids.append(token)
-    return ids, rows, False
+def _rows(where: str) -> slice:
+    return slice(0, 1) if where == FIRST else slice(1, None)
 
 
-_right_map = sampling.map_to_target
+def squared_proposal(where: str):
+    """WRONG: the verifier is told q^2 (renormalised) instead of q on some rows; the draft still samples q.
+
+    Injected into both verifier functions the loop calls, as a bug in building `proposal_probs` would be."""
+    count_accepted, next_token_distribution = sampling.count_accepted, sampling.next_token_distribution
+
+    def corrupt(proposal_probs):
+        if proposal_probs is None:
+            return None
+        bad = proposal_probs.clone()  # (K, Vt)
+        squared = bad[_rows(where)] ** 2
+        bad[_rows(where)] = squared / squared.sum(dim=-1, keepdim=True)
+        return bad
+
+    def flawed_count(target_probs, proposal_ids, uniforms, proposal_probs=None):
+        return count_accepted(target_probs, proposal_ids, uniforms, corrupt(proposal_probs))
+
+    def flawed_next(target_probs, proposal_ids, num_accepted, proposal_probs=None):
+        return next_token_distribution(target_probs, proposal_ids, num_accepted, corrupt(proposal_probs))
+
+    return {"count_accepted": flawed_count, "next_token_distribution": flawed_next}
 
 
-def half_wrong_map(draft_probs, draft_to_target, target_vocab_size):
-    """WRONG: half of the proposal mass is scored through a token map shifted by one target id."""
-    shifted = torch.where(draft_to_target >= 0, (draft_to_target + 1) % target_vocab_size, draft_to_target)
-    return 0.5 * _right_map(draft_probs, draft_to_target, target_vocab_size) + 0.5 * _right_map(
-        draft_probs, shifted, target_vocab_size
-    )
+def residual_keeps_guess(where: str):
+    """WRONG (one-hot): after a rejection at the chosen positions, sample the target without removing the guess."""
+    next_token_distribution = sampling.next_token_distribution
+
+    def flawed(target_probs, proposal_ids, num_accepted, proposal_probs=None):
+        rejected = num_accepted < proposal_ids.shape[0]
+        if rejected and (num_accepted == 0) == (where == FIRST):
+            return target_probs[num_accepted]
+        return next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
+
+    return {"next_token_distribution": flawed}
 
 
-def not_removed_distribution(target_probs, proposal_ids, num_accepted, proposal_probs=None):
-    """WRONG: after a one-hot rejection, sample the target without removing the rejected guess."""
-    return target_probs[num_accepted]
+def half_shifted_map(where: str):
+    """WRONG (intersection): on the chosen rows, half of the proposal mass is scored through a token map
+    shifted by one target id."""
+    map_to_target = sampling.map_to_target
+
+    def flawed(draft_probs, draft_to_target, target_vocab_size):
+        right = map_to_target(draft_probs, draft_to_target, target_vocab_size)  # (K, Vt)
+        shifted_map = torch.where(draft_to_target >= 0, (draft_to_target + 1) % target_vocab_size, draft_to_target)
+        shifted = map_to_target(draft_probs, shifted_map, target_vocab_size)
+        out = right.clone()
+        out[_rows(where)] = 0.5 * right[_rows(where)] + 0.5 * shifted[_rows(where)]
+        return out
+
+    return {"map_to_target": flawed}
 
 
+CONTROLS = {"same-tokenizer": squared_proposal, "onehot": residual_keeps_guess, "intersection": half_shifted_map}
+
+
+@pytest.mark.stats
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("path", ["same-tokenizer", "onehot", "intersection"])
@@ -214,25 +252,39 @@ def test_end_to_end_sampling_matches_target(path, setting, bridged_spec, same_sp
     spec = same_spec if path == "same-tokenizer" else bridged_spec
     proposal = "onehot" if path == "same-tokenizer" else path
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
-    prompt = PROMPTS[path]
+    prompt = PROMPTS[path, setting]
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
-    samples, acceptance = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
-    assert acceptance > 0.25, f"the draft is hardly used ({acceptance:.0%} accepted): the test would prove little"
-    reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
+    samples, deep_share = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
+    assert deep_share >= MIN_DEEP_SHARE, (
+        f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle: the test hardly reaches the second "
+        "position (choose another prompt with tests/tools/deep_prompts.py)"
+    )
+    result = reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
+    report = [f"{path} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
+    for where in (FIRST, DEEP):
+        with monkeypatch.context() as patch:
+            for name, flawed in CONTROLS[path](where).items():
+                patch.setattr(sampling, name, flawed)
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
+        counts, probs, _labels = reference.count_samples(wrong, exact)
+        control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+        assert control.rejected, (
+            f"negative control flawed at the {where} proposal passed (p={control.pvalue:.3g}): no power there"
+        )
+        report.append(f"{where}-position control p={control.pvalue:.3g}")
+    print("; ".join(report))  # the figures fixtures/README.md quotes (pytest -s)
 
-    if path == "onehot":
-        monkeypatch.setattr(sampling, "next_token_distribution", not_removed_distribution)
-    elif path == "intersection":
-        monkeypatch.setattr(sampling, "map_to_target", half_wrong_map)
-    else:
-        monkeypatch.setattr(_Run, "_draft", flawed_draft)
-    wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
-    counts, probs, _labels = reference.count_samples(wrong, exact)
-    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-    assert control.rejected, f"negative control passed (p={control.pvalue:.3g}): the test has no power here"
+
+def _statistical_test_count() -> int:
+    """stats-marked tests in this module, parametrizations included (by introspection)."""
+    count = 0
+    for _, function in inspect.getmembers(sys.modules[__name__], inspect.isfunction):
+        marks = getattr(function, "pytestmark", [])
+        if any(mark.name == "stats" for mark in marks):
+            count += math.prod(len(mark.args[1]) for mark in marks if mark.name == "parametrize")
+    return count
 
 
 def test_budget_count():
-    """NUM_TESTS must count the statistical tests above, or ALPHA overspends the budget."""
-    statistical = 4 + 3 * len(SETTINGS)
-    assert statistical == NUM_TESTS
+    """NUM_TESTS must count the statistical tests in this file, or ALPHA overspends the budget."""
+    assert _statistical_test_count() == NUM_TESTS
