@@ -1,11 +1,15 @@
-"""KV-cache rollback: after truncating and feeding other ids, logits equal a fresh forward."""
+"""KV-cache rollback, for every backend: after truncating and feeding other ids, logits equal a fresh forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from model_helpers import tiny_llama
+from model_helpers import tiny_llama, tiny_neox
 
-from xtokspec.cache import ModelState
+from xtokspec import SpecConfig, XTokSpecError
+from xtokspec.cache import CACHE_BACKENDS, ModelState, choose_backend
+
+BACKENDS = pytest.mark.parametrize("backend", CACHE_BACKENDS)
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:
@@ -13,9 +17,11 @@ def fresh_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
-def test_rollback_equals_fresh_forward(sp_tokenizer):
-    model = tiny_llama(sp_tokenizer, seed=3)
-    state = ModelState(model, [1, 10, 11, 12])
+@BACKENDS
+@pytest.mark.parametrize("arch", ["llama", "neox"])
+def test_rollback_equals_fresh_forward(sp_tokenizer, backend, arch):
+    model = tiny_llama(sp_tokenizer, seed=3) if arch == "llama" else tiny_neox(sp_tokenizer, seed=3)
+    state = ModelState(model, [1, 10, 11, 12], backend, capacity=32)
     with torch.inference_mode():
         state.forward(keep=1)
         state.ids += [20, 21, 22, 23]  # a speculative block ...
@@ -24,15 +30,63 @@ def test_rollback_equals_fresh_forward(sp_tokenizer):
         assert state.cached == 5 and state.ids == [1, 10, 11, 12, 20]
         state.ids += [30, 31]
         got = state.forward(keep=1)[-1]
+        state.truncate(6)  # a second rollback inside the newly written positions, then a longer block
+        state.ids += [40, 41, 42]
+        got2 = state.forward(keep=1)[-1]
     torch.testing.assert_close(got, fresh_logits(model, [1, 10, 11, 12, 20, 30, 31]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got2, fresh_logits(model, [1, 10, 11, 12, 20, 30, 40, 41, 42]), rtol=1e-5, atol=1e-5)
 
 
-def test_forward_after_full_rollback_recomputes_the_last_position(sp_tokenizer):
+@BACKENDS
+def test_forward_after_full_rollback_recomputes_the_last_position(sp_tokenizer, backend):
     model = tiny_llama(sp_tokenizer, seed=4)
-    state = ModelState(model, [1, 5, 6, 7])
+    state = ModelState(model, [1, 5, 6, 7], backend, capacity=16)
     with torch.inference_mode():
         state.ids += [8, 9]
         state.forward(keep=1)
         state.truncate(4)  # everything left is cached: nothing new to feed
         got = state.forward(keep=1)[-1]
     torch.testing.assert_close(got, fresh_logits(model, [1, 5, 6, 7]), rtol=1e-5, atol=1e-5)
+
+
+def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer):
+    """Pins what the static backend relies on in the installed transformers: StaticLayer writes at
+    cumulative_length + arange(T) into buffers that a rollback leaves in place."""
+    model = tiny_llama(sp_tokenizer, seed=5)
+    state = ModelState(model, [1, 5, 6, 7, 8, 9], "static", capacity=16)
+    with torch.inference_mode():
+        state.forward(keep=1)
+        layer = state.kv.cache.layers[0]
+        keys = layer.keys
+        address = keys.data_ptr()
+        assert keys.shape[-2] == 16 and int(layer.cumulative_length) == 6
+        state.truncate(3)
+        assert int(layer.cumulative_length) == 3 and layer.keys.data_ptr() == address
+        stale = keys[0, 0, 3:6].clone()
+        state.ids += [42]
+        state.forward(keep=1)
+        assert int(layer.cumulative_length) == 4
+        assert not torch.equal(keys[0, 0, 3], stale[0]) and torch.equal(keys[0, 0, 4:6], stale[1:])
+
+
+def test_static_cache_refuses_to_overflow(sp_tokenizer):
+    state = ModelState(tiny_llama(sp_tokenizer, seed=6), list(range(1, 10)), "static", capacity=8)
+    with pytest.raises(RuntimeError, match="exceed the cache's 8 positions"), torch.inference_mode():
+        state.forward(keep=1)
+
+
+def test_backend_choice(sp_tokenizer):
+    model = tiny_llama(sp_tokenizer, seed=7)
+    assert choose_backend(model, "auto") == "dynamic"  # CPU
+    assert choose_backend(model, "static") == "static"
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    assert choose_backend(model, "auto") == "dynamic"
+    with pytest.raises(XTokSpecError, match=r"cache='static' needs full-attention layers.*sliding_attention"):
+        choose_backend(model, "static")
+    with pytest.raises(XTokSpecError, match="cache must be one of"):
+        SpecConfig(cache="paged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_auto_is_static_on_cuda(sp_tokenizer):
+    assert choose_backend(tiny_llama(sp_tokenizer, seed=8).cuda(), "auto") == "static"

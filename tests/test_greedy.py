@@ -144,3 +144,17 @@ def test_default_dtype_greedy_equals_target_loaded_the_same_way(heldout_prompts,
     record_property("near_ties", near_ties)
     for line in near_ties:
         print("near-tie:", line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["bridged", "same"])
+def test_static_cache_greedy_equals_target(draft, ja_target, ja_draft_bpe, ja_draft_same, heldout_prompts,
+                                           reference_cache):
+    """The static (preallocated) KV cache backend, whose rollback only moves a length, is lossless too."""
+    from xtokspec import SpecConfig, XTokSpec
+
+    spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same, config=SpecConfig(cache="static"))
+    result = spec.generate(heldout_prompts[0], max_new_tokens=4)
+    assert result.stats.cache == "static/static"
+    for line in check_prompts(spec, ja_target, heldout_prompts + HOSTILE_PROMPTS, NEW_TOKENS, reference_cache):
+        print("near-tie:", line)

@@ -21,7 +21,7 @@ import reference
 from xtokspec import sampling
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 10  # statistical tests in this file (test_budget_count checks it)
+NUM_TESTS = 11  # statistical tests in this file (test_budget_count checks it)
 ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 8e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
@@ -150,6 +150,7 @@ PROMPTS = {
     ("onehot", "t0.7-k6-p0.9"): "使用する C コンパイラが",
     ("intersection", "t1.0-k3"): "使用する C コンパイラが",
     ("intersection", "t0.7-k6-p0.9"): "使用する C コンパイラが",
+    ("static:intersection", "t1.0-k3"): "使用する C コンパイラが",
 }
 FIRST, DEEP = "first", "deep"  # which proposals of a cycle a control corrupts: the first, or the second on
 
@@ -244,23 +245,35 @@ def half_shifted_map(where: str):
 CONTROLS = {"same-tokenizer": squared_proposal, "onehot": residual_keeps_guess, "intersection": half_shifted_map}
 
 
+# (path, setting) cases; "static:" runs the path with SpecConfig(cache="static") for both models.
+CASES = [(path, setting) for path in ("same-tokenizer", "onehot", "intersection") for setting in SETTINGS]
+CASES += [("static:intersection", "t1.0-k3")]
+
+
 @pytest.mark.stats
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("path", ["same-tokenizer", "onehot", "intersection"])
-def test_end_to_end_sampling_matches_target(path, setting, bridged_spec, same_spec, ja_target, monkeypatch):
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{case[1]}")
+def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
+    path, setting = case
+    cache, _, path = path.rpartition(":")
     spec = same_spec if path == "same-tokenizer" else bridged_spec
+    if cache:
+        from xtokspec import SpecConfig, XTokSpec
+
+        spec = XTokSpec((spec.target_model, spec.target_tokenizer), (spec.draft_model, spec.draft_tokenizer),
+                        config=SpecConfig(cache=cache))
     proposal = "onehot" if path == "same-tokenizer" else path
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
-    prompt = PROMPTS[path, setting]
+    prompt = PROMPTS[case]
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
     samples, deep_share = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
+    assert not cache or spec.generate(prompt, max_new_tokens=2).stats.cache == f"{cache}/{cache}"
     assert deep_share >= MIN_DEEP_SHARE, (
         f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle: the test hardly reaches the second "
         "position (choose another prompt with tests/tools/deep_prompts.py)"
     )
     result = reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
-    report = [f"{path} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
+    report = [f"{case[0]} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
     for where in (FIRST, DEEP):
         with monkeypatch.context() as patch:
             for name, flawed in CONTROLS[path](where).items():

@@ -25,7 +25,7 @@ import torch
 
 from . import sampling
 from .bridge import TextSync, TokenCodec, build_token_map
-from .cache import ModelState, input_device
+from .cache import ModelState, choose_backend, input_device
 from .models import load
 from .types import (
     GenerationResult,
@@ -271,6 +271,7 @@ class _Run:
     def __init__(self, spec: XTokSpec, params: SamplingParams, config: SpecConfig, kind: str, stats: GenerationStats):
         self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
         self.policy = DraftLengthPolicy(config)
+        self.config = config
         self.min_confidence = config.draft_confidence
         self.warpers = sampling.build_warpers(params) if params.do_sample else None
         self.target_limit = getattr(spec.target_model.config, "max_position_embeddings", None) or 1 << 30
@@ -290,8 +291,16 @@ class _Run:
 
     def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int) -> Iterator[list[int]]:
         stats, spec = self.stats, self.spec
-        target = ModelState(spec.target_model, target_ids)
-        draft = ModelState(spec.draft_model, draft_ids)
+        # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens
+        # ids; the draft's text in its own tokens is unknown in advance: at most 3 per target token is budgeted,
+        # and a draft that fills its cache only stops drafting (self.draft_limit), which costs speed, not output.
+        target = ModelState(spec.target_model, target_ids, choose_backend(spec.target_model, self.config.cache),
+                            capacity=len(target_ids) + max_new_tokens)
+        draft = ModelState(spec.draft_model, draft_ids, choose_backend(spec.draft_model, self.config.cache),
+                           capacity=len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16)
+        self.target_limit = min(self.target_limit, target.capacity)
+        self.draft_limit = min(self.draft_limit, draft.capacity)
+        self.stats.cache = f"{target.backend}/{draft.backend}"
         self.draft_prompt_len = len(draft_ids)
         produced = 0
         start = time.perf_counter()
@@ -350,6 +359,8 @@ class _Run:
     # ---------------------------------------------------------------- 1. draft
     def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
         """Sample k draft tokens -> (ids, their sampling distributions when needed, stopped at EOS)."""
+        if not self.params.do_sample and self.min_confidence <= 0 and k > 1:
+            return self._draft_greedy_on_device(draft, k)
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         restrict = self.kind == "intersection" and not self.sync.pending
@@ -379,6 +390,23 @@ class _Run:
                 break
         return ids, rows, False
 
+    def _draft_greedy_on_device(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
+        """Greedy drafting with one host transfer: each argmax feeds the next step on the device, and the k ids
+        come to the host once, for the bridge. Steps past a drafted EOS are rolled back afterwards."""
+        base = len(draft.ids)
+        token = torch.argmax(draft.forward(keep=1)[-1:], dim=-1)  # (1,)
+        tokens = [token]
+        for _ in range(k - 1):
+            token = torch.argmax(draft.feed(token.view(1, 1)), dim=-1)  # (1,)
+            tokens.append(token)
+        ids = torch.cat(tokens).tolist()  # the one transfer
+        draft.ids.extend(ids)
+        for n, token_id in enumerate(ids):
+            if token_id in self.spec.draft_eos:
+                draft.truncate(base + n + 1)
+                return ids[: n + 1], [], True
+        return ids, [], False
+
     # ---------------------------------------------------------------- 2. bridge
     def _bridge(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
         """Drafted ids -> (target proposal ids, proposal distributions (K, Vt) or None for one-hot)."""
@@ -405,9 +433,9 @@ class _Run:
     def _verify(self, target: ModelState, proposals: list[int], proposal_probs) -> tuple[int, int]:
         target.ids.extend(proposals)
         logits = target.forward(keep=len(proposals) + 1)  # (K+1, Vt)
-        proposal_ids = torch.tensor(proposals, dtype=torch.long, device=logits.device)  # (K,)
         if not self.params.do_sample:
-            return sampling.verify_greedy(logits, proposal_ids)
+            return sampling.verify_greedy(logits, proposals)
+        proposal_ids = torch.tensor(proposals, dtype=torch.long, device=logits.device)  # (K,)
         target_probs = sampling.logits_to_probs(logits, self.warpers)  # (K+1, Vt)
         gen = self.target_gen
         uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)

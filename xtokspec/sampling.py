@@ -79,17 +79,17 @@ def map_to_target(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, targ
     return out
 
 
-def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor) -> tuple[int, int]:
-    """(K+1, Vt) logits and (K,) proposals -> (num_accepted, next_token).
+def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor | list[int]) -> tuple[int, int]:
+    """(K+1, Vt) logits and (K,) proposals (a tensor or host ids) -> (num_accepted, next_token).
 
     Accepts the longest prefix of proposals equal to the target's argmax; next_token is the argmax at the first
     mismatch (the *recovered* token) or after the last proposal (the *bonus* token).
     """
-    target_argmax = torch.argmax(target_logits, dim=-1)  # (K+1,)
-    k = proposal_ids.shape[0]
-    mismatch = (target_argmax[:k] != proposal_ids).nonzero()
-    num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
-    return num_accepted, int(target_argmax[num_accepted])
+    target_argmax = torch.argmax(target_logits, dim=-1).tolist()  # (K+1,): the cycle's one transfer to the host
+    proposals = proposal_ids.tolist() if isinstance(proposal_ids, torch.Tensor) else list(proposal_ids)
+    num_accepted = next((i for i, (a, b) in enumerate(zip(target_argmax[: len(proposals)], proposals, strict=True)) if a != b),
+                        len(proposals))
+    return num_accepted, target_argmax[num_accepted]
 
 
 def count_accepted(

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
+CACHE_CHOICES = ("auto", "dynamic", "static")
 # Why a generation ended: the target emitted EOS; max_new_tokens were produced; or the target's context
 # (max_position_embeddings) is full, so the target alone could not have gone on either.
 STOP_REASONS = ("eos", "length", "context")
@@ -82,6 +83,7 @@ class SpecConfig:
     draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto"
     min_mapped_mass: float = 0.5  # "auto" picks intersection when >= this share of the draft vocabulary maps
+    cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -90,6 +92,8 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
+        if self.cache not in CACHE_CHOICES:
+            raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
 
 
 def expected_tokens(alpha: float, proposals: float) -> float:
@@ -113,6 +117,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge")
     stop_reason: str = ""  # see STOP_REASONS; set when generation ends
+    cache: str = ""  # KV cache backends used, "target/draft" (e.g. "static/static")
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle

@@ -1,0 +1,68 @@
+"""Placement and host syncs on a GPU (skipped without one): models on different devices, a target with
+device_map="auto", and the greedy path's transfers to the host per cycle (CUDA's sync debug mode counts them)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from model_helpers import MODELS, load_tokenizer
+
+from xtokspec import SpecConfig, XTokSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
+
+
+def load(name: str, device: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32, **kwargs)
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    return model.eval(), load_tokenizer(MODELS / name)
+
+
+def target_ids(target, prompt: str, n: int) -> list[int]:
+    model, tokenizer = target
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("target_device,draft_device", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")])
+def test_greedy_is_lossless_across_placements(target_device, draft_device, cache):
+    target = load("ja-target", target_device)
+    spec = XTokSpec(target, load("ja-draft-bpe", draft_device), config=SpecConfig(cache=cache))
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, max_new_tokens=32).token_ids == target_ids(target, prompt, 32), prompt
+    sampled = spec.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=1)
+    assert sampled.token_ids == spec.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=1).token_ids
+
+
+def test_target_with_device_map_auto():
+    pytest.importorskip("accelerate")
+    target = load("ja-target", "cuda", device_map="auto")
+    spec = XTokSpec(target, load("ja-draft-bpe", "cpu"))
+    assert spec.generate(PROMPTS[1], max_new_tokens=32).token_ids == target_ids(target, PROMPTS[1], 32)
+
+
+def test_greedy_cycle_makes_two_host_transfers():
+    """The drafted ids once (for the bridge) and the verdict once; CUDA's sync debug mode warns at each sync."""
+    spec = XTokSpec(load("ja-target", "cuda"), load("ja-draft-same", "cuda"),
+                    config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4))
+    spec.generate(PROMPTS[0], max_new_tokens=8)  # warm-up
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = spec.generate(PROMPTS[0], max_new_tokens=64)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    cycles = result.stats.target_forwards
+    print(f"{syncs} syncs in {cycles} cycles")
+    assert syncs <= 2 * cycles + 4, f"{syncs} host syncs for {cycles} cycles"
