@@ -98,7 +98,8 @@ def sampling_kwargs(mode: str) -> dict:
     return {"do_sample": True, "temperature": float(mode.removeprefix("T="))}
 
 
-def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None) -> dict:
+def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
+                  spec_static=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None)."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
@@ -124,9 +125,12 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         return run
 
     systems = {"target": hf()}
+    static = spec_static or {}
     if models.draft_same:
         systems["hf-assisted"] = hf(models.draft_same)
         systems["xtokspec-same"] = ours(spec_same)
+        if not kw["do_sample"] and "same" in static:  # the static KV cache backend vs the dynamic one
+            systems["xtokspec-same-static"] = ours(static["same"])
     if models.draft_cross:
         # NOTE: transformers' universal sampler replaces the assistant's embedding module in place, so it
         # gets its own copy of the draft (same weights) and cannot break the draft the others use.
@@ -137,6 +141,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
+            if "cross" in static:
+                systems[f"xtokspec-{models.cross_label}-static"] = ours(static["cross"])
             for label, (pair, spec) in (spec_extra or {}).items():
                 systems[f"hf-universal-{label}"] = hf(pair, universal=True)
                 systems[f"xtokspec-bridged-{label}"] = ours(spec)
@@ -156,17 +162,20 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
                   if models.draft_cross else None)
     spec_extra = {label: (pair, XTokSpec(models.target, pair)) for label, pair in models.extra_cross.items()}
+    static = SpecConfig(cache="static")
+    spec_static = {key: XTokSpec(models.target, pair, config=static)
+                   for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     counters = {"target": Counter(), "draft": Counter()}
     handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]
     for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf, *models.extra_cross.values()):
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
-    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra)) for m in modes) * len(prompts)
+    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static)) for m in modes) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     try:
         for mode in modes:
-            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra)
+            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static)
             for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
                 fn(prompts[0], 8, 0)
             for p_index, prompt in enumerate(prompts):
@@ -291,7 +300,9 @@ PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
          ("xtokspec-bridged-gemma", "xtokspec-bridged-gemma-fixed-k"),
          ("xtokspec-bridged-gemma-intersection", "hf-universal"), ("xtokspec-bridged-gemma-onehot", "hf-universal"),
          ("xtokspec-bridged-gemma-intersection", "xtokspec-bridged-gemma-onehot"),
-         ("xtokspec-bridged-smollm", "hf-universal-smollm")]
+         ("xtokspec-bridged-smollm", "hf-universal-smollm"),
+         ("xtokspec-same-static", "xtokspec-same"), ("xtokspec-bridged-static", "xtokspec-bridged"),
+         ("xtokspec-bridged-gemma-static", "xtokspec-bridged-gemma")]
 
 
 def comparisons(runs: list[Run]) -> list[dict]:
