@@ -20,6 +20,10 @@ from transformers import DynamicCache, StaticCache
 from .types import XTokSpecError
 
 CACHE_BACKENDS = ("dynamic", "static")
+# Lengths a compiled forward is padded to, so that a captured graph is recorded once per bucket, not per K.
+# Longer inputs (prompt prefills) run eagerly.
+COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)
+PAD_ID = 0  # fills a bucket; its positions are written to the static cache and rolled back at once
 
 
 def input_device(model) -> torch.device:
@@ -36,13 +40,19 @@ def sliding_layers(model) -> list[str]:
     return sorted({t for t in types if t != "full_attention"})
 
 
-def choose_backend(model, requested: str) -> str:
-    """'auto' -> static on CUDA (when every layer is full attention), dynamic elsewhere; checks an explicit choice."""
+def choose_backend(model, requested: str, compiled: bool = False) -> str:
+    """'auto' -> static on CUDA or when compiled (if every layer is full attention), dynamic elsewhere; checks
+    an explicit choice."""
     if requested not in ("auto", *CACHE_BACKENDS):
         raise XTokSpecError(f"cache must be 'auto', 'dynamic' or 'static', got {requested!r}")
     sliding = sliding_layers(model)
+    if compiled and (requested == "dynamic" or sliding):
+        raise XTokSpecError(
+            f"compile=True needs the static cache, which {type(model).__name__} cannot use here "
+            f"(cache={requested!r}, sliding layers {sliding or 'none'}): use compile=False"
+        )
     if requested == "auto":
-        return "static" if input_device(model).type == "cuda" and not sliding else "dynamic"
+        return "static" if (compiled or input_device(model).type == "cuda") and not sliding else "dynamic"
     if requested == "static" and sliding:
         raise XTokSpecError(
             f"cache='static' needs full-attention layers; {type(model).__name__} has {sliding} layers (a ring "
@@ -95,11 +105,24 @@ class _StaticKV:
         self._length = n
 
 
-class ModelState:
-    """A causal LM with its committed/proposed ids and a KV cache covering a prefix of them."""
+def compile_step(model):
+    """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode)."""
+    mode = "reduce-overhead" if input_device(model).type == "cuda" else None
+    return torch.compile(model, mode=mode, dynamic=False)
 
-    def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None):
+
+class ModelState:
+    """A causal LM with its committed/proposed ids and a KV cache covering a prefix of them.
+
+    With `step` (a compiled model; static backend only), forwards of up to COMPILE_BUCKETS[-1] new ids are
+    padded to the next bucket length and run through it; the padding's cache positions are rolled back.
+    """
+
+    def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None):
+        if step is not None and backend != "static":
+            raise ValueError("a compiled step needs the static backend")
         self.model = model
+        self.step = step
         self.device = input_device(model)
         self.ids = list(ids)
         self.backend = backend
@@ -125,10 +148,30 @@ class ModelState:
             raise RuntimeError(f"forward over {len(new)} new ids cannot keep {keep} logits")
         if len(self.ids) > self.capacity:
             raise RuntimeError(f"{len(self.ids)} ids exceed the cache's {self.capacity} positions")
+        bucket = self._bucket(len(new))
+        if bucket:
+            padded = torch.tensor([new + [PAD_ID] * (bucket - len(new))], dtype=torch.long, device=self.device)
+            return self._run_step(padded, len(new))[len(new) - keep :]  # (keep, V)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # (1, T)
         out = self.model(input_ids=input_ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=keep)
         self.kv.advance(len(new))
         return out.logits[0]  # (keep, V)
+
+    def _bucket(self, length: int) -> int | None:
+        """The padded length a compiled call uses for `length` new ids, or None to run eagerly."""
+        if self.step is None:
+            return None
+        bucket = next((b for b in COMPILE_BUCKETS if b >= length), None)
+        return bucket if bucket is not None and self.cached + bucket <= self.capacity else None
+
+    def _run_step(self, padded: torch.Tensor, length: int) -> torch.Tensor:
+        """Compiled forward over (1, bucket) ids of which the first `length` are real -> (length, V) logits."""
+        start = self.cached
+        out = self.step(input_ids=padded, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=padded.shape[1])
+        self.kv.advance(padded.shape[1])
+        self.kv.rollback(start + length)  # the padding's positions
+        # NOTE: clone: a CUDA graph's output buffer is overwritten by its next replay.
+        return out.logits[0, :length].clone()  # (length, V)
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed device ids (1, T) that follow `ids` and are all cached, without a host transfer -> logits (T, V).
@@ -137,6 +180,8 @@ class ModelState:
         (until then `cached` runs ahead of `ids`, which `forward` and `truncate` must not see)."""
         if self.cached + tokens.shape[1] > self.capacity:
             raise RuntimeError(f"{self.cached + tokens.shape[1]} ids exceed the cache's {self.capacity} positions")
+        if self._bucket(tokens.shape[1]) == tokens.shape[1]:
+            return self._run_step(tokens, tokens.shape[1])
         out = self.model(input_ids=tokens, past_key_values=self.kv.cache, use_cache=True)
         self.kv.advance(tokens.shape[1])
         return out.logits[0]  # (T, V)

@@ -25,7 +25,7 @@ import torch
 
 from . import sampling
 from .bridge import TextSync, TokenCodec, build_token_map
-from .cache import ModelState, choose_backend, input_device
+from .cache import ModelState, choose_backend, compile_step, input_device
 from .models import load
 from .types import (
     GenerationResult,
@@ -139,6 +139,7 @@ class XTokSpec:
         self.draft_eos = _eos_ids(self.draft_model, self.draft_tokenizer)
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
         self._token_map = None
+        self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
 
     # ---------------------------------------------------------------- public API
     def describe(self) -> str:
@@ -221,6 +222,16 @@ class XTokSpec:
             )
         return params
 
+    def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int) -> ModelState:
+        """ids + KV cache with the configured backend (and the compiled step, compiled once per XTokSpec)."""
+        backend = choose_backend(model, config.cache, config.compile)
+        step = None
+        if config.compile:
+            step = self._steps.get(id(model))
+            if step is None:
+                step = self._steps[id(model)] = compile_step(model)
+        return ModelState(model, ids, backend, capacity, step)
+
     # ---------------------------------------------------------------- the loop
     def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
         check_prompt(prompt)
@@ -294,13 +305,12 @@ class _Run:
         # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens
         # ids; the draft's text in its own tokens is unknown in advance: at most 3 per target token is budgeted,
         # and a draft that fills its cache only stops drafting (self.draft_limit), which costs speed, not output.
-        target = ModelState(spec.target_model, target_ids, choose_backend(spec.target_model, self.config.cache),
-                            capacity=len(target_ids) + max_new_tokens)
-        draft = ModelState(spec.draft_model, draft_ids, choose_backend(spec.draft_model, self.config.cache),
-                           capacity=len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16)
+        target = spec._model_state(spec.target_model, target_ids, self.config, len(target_ids) + max_new_tokens)
+        draft = spec._model_state(spec.draft_model, draft_ids, self.config,
+                                  len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16)
         self.target_limit = min(self.target_limit, target.capacity)
         self.draft_limit = min(self.draft_limit, draft.capacity)
-        self.stats.cache = f"{target.backend}/{draft.backend}"
+        self.stats.cache = f"{target.backend}/{draft.backend}" + ("+compile" if self.config.compile else "")
         self.draft_prompt_len = len(draft_ids)
         produced = 0
         start = time.perf_counter()

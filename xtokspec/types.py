@@ -84,6 +84,7 @@ class SpecConfig:
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto"
     min_mapped_mass: float = 0.5  # "auto" picks intersection when >= this share of the draft vocabulary maps
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
+    compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -92,6 +93,8 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
+        if not isinstance(self.compile, bool):
+            raise XTokSpecError(f"compile must be True or False, got {self.compile!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
 

@@ -1,0 +1,70 @@
+"""SpecConfig(compile=True): short forwards padded to fixed lengths and run through torch.compile, on the
+static cache. Lossless like every backend: the padding's cache positions are rolled back, and the compiled
+model computes what the eager one does (greedy ids equal the target's own generate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import tiny_llama, tiny_neox
+
+from xtokspec import SpecConfig, XTokSpec, XTokSpecError
+from xtokspec.cache import COMPILE_BUCKETS
+
+PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
+
+
+def target_ids(target, prompt: str, n: int) -> list[int]:
+    model, tokenizer = target
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_compile_needs_the_static_cache(tiny_target, bpe_tokenizer):
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True, cache="dynamic"))
+    with pytest.raises(XTokSpecError, match="compile=True needs the static cache"):
+        spec.generate("東京", max_new_tokens=2)
+    with pytest.raises(XTokSpecError, match="compile must be True or False"):
+        SpecConfig(compile="yes")
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """torch.compile replaced by the identity: the padded-bucket path runs eagerly (same xtokspec code)."""
+    calls = []
+
+    def identity(model, **kwargs):
+        calls.append(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", identity)
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["bridged", "same"])
+def test_padded_buckets_are_lossless_on_the_fixtures(draft, eager_compile, ja_target, ja_draft_bpe, ja_draft_same,
+                                                     heldout_prompts):
+    spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same, config=SpecConfig(compile=True))
+    for prompt in heldout_prompts[:12] + PROMPTS:
+        result = spec.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == target_ids(ja_target, prompt, 40), prompt
+    assert result.stats.cache == "static/static+compile"
+    assert len(eager_compile) == 2  # both models, once per XTokSpec
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_target(sp_tokenizer, bpe_tokenizer):
+    """A real torch.compile (inductor on the CPU; a few seconds per bucket for these tiny models)."""
+    target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
+    draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)
+    config = SpecConfig(compile=True, adaptive=False, num_draft_tokens=3)
+    compiled = XTokSpec(target, draft, config=config)
+    eager = XTokSpec(target, draft, config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=3))
+    for prompt in PROMPTS:
+        want = target_ids(target, prompt, 24)
+        assert compiled.generate(prompt, max_new_tokens=24).token_ids == want, prompt
+        assert eager.generate(prompt, max_new_tokens=24).token_ids == want, prompt
+    assert max(COMPILE_BUCKETS) >= 4
