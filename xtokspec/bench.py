@@ -73,11 +73,11 @@ class Models:
             self.draft_cross_hf = (copy.deepcopy(self.draft_cross[0]), self.draft_cross[1])
 
 
-def load_preset(preset: str, dtype: torch.dtype) -> Models:
+def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu") -> Models:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def load(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         return model, AutoTokenizer.from_pretrained(path)
 
     if preset == "fixtures":
@@ -418,7 +418,7 @@ def main_bench(args: argparse.Namespace) -> int:
         return 0
     torch.set_num_threads(args.threads) if args.threads else None
     dtype = getattr(torch, args.dtype)
-    models = load_preset(args.preset, dtype)
+    models = load_preset(args.preset, dtype, args.device)
     if args.preset == "fixtures":
         lines = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
         prompts = [p for p in lines if p][: args.prompts]
@@ -441,6 +441,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--report-only", action="store_true",

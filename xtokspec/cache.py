@@ -107,6 +107,13 @@ class _StaticKV:
 
 def compile_step(model):
     """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode)."""
+    import torch._dynamo.config as dynamo_config
+
+    # NOTE: one graph per bucket and model: a target and a draft of the same class share forward's code
+    # object, and past dynamo's recompile limit (8 by default) it would silently run eagerly.
+    needed = 4 * len(COMPILE_BUCKETS)
+    if getattr(dynamo_config, "recompile_limit", needed) < needed:
+        dynamo_config.recompile_limit = needed
     mode = "reduce-overhead" if input_device(model).type == "cuda" else None
     return torch.compile(model, mode=mode, dynamic=False)
 

@@ -1,0 +1,215 @@
+"""GPU per-call costs at the mission pair's shapes, and the speedups they predict (issue 9).
+
+No real weights reach the GPU machine, and a forward's time does not depend on the weights' values, so the
+models are built there with random bf16 weights and the published shapes:
+
+    13b:   target llm-jp-13b-v1.0 (GPT-2 style: 40 layers, hidden 5120, 40 heads, vocabulary 50,570)
+           draft  open-calm-small (GPT-NeoX: 12 layers, hidden 768, 12 heads, vocabulary 52,096)
+    7b-1b: target a Llama-2-7B shape (32 layers, hidden 4096, 32 heads, MLP 11008, vocabulary 32,000)
+           draft  a TinyLlama-1.1B shape (22 layers, hidden 2048, 32 heads / 4 KV heads, MLP 5632, 32,000)
+
+Measured per pair, at a CONTEXT-token context, median of REPS after warm-up (torch.cuda.synchronize around
+each call): the target's one-token step; verification of m = 1..16 tokens (eager, and padded to xtokspec's
+compile buckets through torch.compile); the draft's one-token step eager (dynamic cache), on the static
+cache, and compiled (CUDA graphs: torch.compile mode reduce-overhead), i.e. c = draft step / target step.
+
+Prediction (labelled as such): the acceptance traces that `xtokspec bench --preset real` measured on the CPU
+(benchmarks/real/results.json: per-token acceptance alpha and each cycle's proposals m) combined with these
+GPU costs by Leviathan et al.'s eq. 1: tokens per cycle (1 - alpha^(m+1)) / (1 - alpha) over the cycle's
+cost (its draft steps * draft step + verify(m) + the loop's own overhead), in units of a target step.
+
+Run on the GPU machine:  python benchmarks/gpu.py --out "$OUT"        (about 4 minutes on an H100)
+Smoke test on a CPU:     python benchmarks/gpu.py --tiny --out /tmp/gpu-smoke
+Writes gpu.json and gpu.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from xtokspec.cache import COMPILE_BUCKETS, ModelState, compile_step  # noqa: E402
+from xtokspec.types import expected_tokens  # noqa: E402
+
+CONTEXT = 512
+REPS = 30
+VERIFY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def shapes(tiny: bool) -> dict[str, tuple]:
+    """pair name -> (target config, draft config); --tiny divides widths and depths for a CPU smoke test."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    def s(n: int, div: int) -> int:
+        return max(2, n // div) if tiny else n
+
+    w, d = 32, 8  # tiny: width / 32, depth / 8
+    return {
+        "13b": (
+            GPT2Config(n_layer=s(40, d), n_embd=s(5120, w), n_head=s(40, w), vocab_size=50570, n_positions=2048),
+            GPTNeoXConfig(num_hidden_layers=s(12, d), hidden_size=s(768, w), num_attention_heads=s(12, w),
+                          intermediate_size=s(3072, w), vocab_size=52096, max_position_embeddings=2048),
+        ),
+        "7b-1b": (
+            LlamaConfig(num_hidden_layers=s(32, d), hidden_size=s(4096, w), num_attention_heads=s(32, w),
+                        num_key_value_heads=s(32, w), intermediate_size=s(11008, w), vocab_size=32000,
+                        max_position_embeddings=4096),
+            LlamaConfig(num_hidden_layers=s(22, d), hidden_size=s(2048, w), num_attention_heads=s(32, w),
+                        num_key_value_heads=max(1, s(4, w)), intermediate_size=s(5632, w), vocab_size=32000,
+                        max_position_embeddings=4096),
+        ),
+    }
+
+
+def build(config, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, reps: int) -> float:
+    """Median seconds of fn() over reps calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str) -> dict[int, float]:
+    """m -> seconds of a forward over m new ids after a CONTEXT-token context (rolled back after each call)."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (CONTEXT + 32,)).tolist()
+    state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, compile_step(model) if compiled else None)
+    state.forward(keep=1)  # the context
+    costs = {}
+    for m in VERIFY_LENGTHS:
+        def call(m=m):
+            state.ids.extend(ids[CONTEXT : CONTEXT + m])
+            state.forward(keep=m)
+            state.truncate(CONTEXT)
+        costs[m] = timed(call, device, reps)
+    return costs
+
+
+def measure_pair(name: str, target_config, draft_config, device: str, reps: int) -> dict:
+    dtype = torch.bfloat16
+    out = {"pair": name}
+    for role, config in (("target", target_config), ("draft", draft_config)):
+        model = build(config, device, dtype)
+        out[f"{role}_params"] = sum(p.numel() for p in model.parameters())
+        out[f"{role}_eager"] = per_call_costs(model, device, reps, compiled=False, backend="dynamic")
+        out[f"{role}_static"] = per_call_costs(model, device, reps, compiled=False, backend="static")
+        out[f"{role}_compiled"] = per_call_costs(model, device, reps, compiled=True, backend="static")
+        print(f"{name} {role}: {out[f'{role}_params'] / 1e9:.2f} B params; 1-token step eager "
+              f"{out[f'{role}_eager'][1] * 1e3:.2f} ms, compiled {out[f'{role}_compiled'][1] * 1e3:.2f} ms", flush=True)
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    step = out["target_eager"][1]
+    out["c_eager"] = out["draft_eager"][1] / step
+    out["c_compiled"] = out["draft_compiled"][1] / out["target_compiled"][1]
+    out["verify8_over_step"] = out["target_compiled"][8] / out["target_compiled"][1]
+    return out
+
+
+def verify_cost(costs: dict, m: int) -> float:
+    """Linear interpolation of the measured verification costs at m proposals (+1 for the bonus row)."""
+    xs = sorted(costs)
+    n = min(max(m + 1, xs[0]), xs[-1])
+    lo = max(x for x in xs if x <= n)
+    hi = min(x for x in xs if x >= n)
+    return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def predict(pair: dict, results: Path, overhead_s: float) -> list[dict]:
+    """PREDICTION: speedups of the real pairs' CPU acceptance traces at this pair's GPU costs (compiled)."""
+    if not results.is_file():
+        return []
+    runs = json.loads(results.read_text())["runs"]
+    step = pair["target_compiled"][1]
+    draft_step = pair["draft_compiled"][1]
+    rows: dict[tuple, list[float]] = {}
+    for run in runs:
+        stats = run.get("stats") or {}
+        if not stats.get("target_forwards") or not stats.get("proposal_lengths"):
+            continue
+        alpha = min(stats["token_acceptance"], 0.999)
+        cycles = stats["target_forwards"]
+        steps_per_cycle = stats["draft_forwards"] / cycles
+        lengths = stats["proposal_lengths"]
+        tokens = sum(expected_tokens(alpha, m) for m in lengths) / cycles
+        cost = steps_per_cycle * draft_step + sum(verify_cost(pair["target_compiled"], m) for m in lengths) / cycles
+        rows.setdefault((run["system"], run["mode"]), []).append(tokens / ((cost + overhead_s) / step))
+    return [{"system": s, "mode": m, "predicted_speedup": statistics.median(v), "prompts": len(v)}
+            for (s, m), v in sorted(rows.items())]
+
+
+def markdown(meta: dict, pairs: list[dict], predictions: dict) -> str:
+    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    lines = [f"GPU: {meta['device_name']}; torch {meta['torch']}, transformers {meta['transformers']}; bf16, "
+             f"random weights, {CONTEXT}-token context, median of {meta['reps']}.", "",
+             "| pair | target step ms (eager / compiled) | draft step ms (eager / static / compiled) | c eager | "
+             "c compiled | verify 8 / step |", "|---|---|---|---|---|---|"]
+    for p in pairs:
+        lines.append(f"| {p['pair']} | {ms(p['target_eager'][1])} / {ms(p['target_compiled'][1])} | "
+                     f"{ms(p['draft_eager'][1])} / {ms(p['draft_static'][1])} / {ms(p['draft_compiled'][1])} | "
+                     f"{p['c_eager']:.3f} | {p['c_compiled']:.3f} | {p['verify8_over_step']:.2f} |")
+    lines += ["", "Verification cost (ms, compiled) by proposals m: "]
+    for p in pairs:
+        lines.append(f"- {p['pair']}: " + ", ".join(f"m={m} {ms(v)}" for m, v in p["target_compiled"].items()))
+    lines += ["", "**Predicted** speedups (CPU acceptance traces of the real preset x these GPU costs; not measured):",
+              "", "| pair | system | mode | predicted speedup |", "|---|---|---|---|"]
+    for pair, rows in predictions.items():
+        lines += [f"| {pair} | {r['system']} | {r['mode']} | {r['predicted_speedup']:.2f}x |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="shrunken shapes (a smoke test on a CPU)")
+    parser.add_argument("--reps", type=int, default=REPS)
+    parser.add_argument("--pairs", nargs="+", default=["13b", "7b-1b"])
+    parser.add_argument("--overhead-ms", type=float, default=None,
+                        help="the loop's own cost per cycle (bridge, syncs, Python); default: measured on the fixtures")
+    args = parser.parse_args()
+    import transformers
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": args.device, "torch": torch.__version__, "transformers": transformers.__version__,
+            "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "reps": args.reps, "tiny": args.tiny, "buckets": COMPILE_BUCKETS}
+    overhead = (args.overhead_ms or 0.0) / 1e3
+    pairs = [measure_pair(name, *shapes(args.tiny)[name], args.device, args.reps) for name in args.pairs]
+    predictions = {p["pair"]: predict(p, ROOT / "benchmarks" / "real" / "results.json", overhead) for p in pairs}
+    (out / "gpu.json").write_text(json.dumps({"meta": meta, "pairs": pairs, "predictions": predictions}, indent=1))
+    (out / "gpu.md").write_text(markdown(meta, pairs, predictions))
+    print((out / "gpu.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
