@@ -189,3 +189,34 @@ def test_sync_invariants_on_random_unicode(fixture_codecs, lookbehind, text, cut
         assert "\ufffd" not in sync.committed[:complete].decode("utf-8") or "\ufffd" in text
     if done == len(target_ids):
         assert sync.committed.decode("utf-8") == text
+
+
+def test_fragment_tokenizer_from_components_equals_the_json_copy(sp_tokenizer, bpe_tokenizer):
+    """The fast fragment tokenizer (shared model, rebuilt components) encodes exactly as the full JSON copy."""
+    from model_helpers import FIXTURES
+
+    from xtokspec.bridge import _fragment_tokenizer_from_json, fragment_tokenizer
+
+    texts = (FIXTURES / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()[:200]
+    texts += [" テスト", "a  b\tc", "<s>x</s><|endoftext|>", "𠮷😀", "\n\nが", "ｶﾀｶﾅ"]
+    for tokenizer in (sp_tokenizer, bpe_tokenizer):
+        fast = fragment_tokenizer(tokenizer.backend_tokenizer)
+        exact = _fragment_tokenizer_from_json(tokenizer.backend_tokenizer)
+        for text in texts:
+            assert fast.encode(text, add_special_tokens=False).ids == exact.encode(text, add_special_tokens=False).ids
+
+
+def test_fragment_tokenizer_keeps_interleaved_added_token_ids():
+    """Special and ordinary added tokens outside the vocabulary, interleaved: re-added in id order, same ids."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from xtokspec.bridge import fragment_tokenizer
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    backend.add_tokens([AddedToken("zz", special=False)])
+    backend.add_special_tokens([AddedToken("<x>", special=True)])
+    backend.add_tokens([AddedToken("yy", special=False)])
+    want = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+    assert want == {"zz": 3, "<x>": 4, "yy": 5}
+    fragment = fragment_tokenizer(backend)
+    assert {name: fragment.token_to_id(name) for name in want} == want
