@@ -53,3 +53,17 @@ def tiny_neox(tokenizer, seed: int = 1):
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     return GPTNeoXForCausalLM(config).eval()
+
+
+def load_script(relative: str):
+    """A script of the checkout (e.g. benchmarks/real_models.py) imported as a module by its path."""
+    import importlib.util
+    import sys
+
+    path = ROOT / relative
+    name = "script_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # NOTE: dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module

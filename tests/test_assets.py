@@ -1,4 +1,5 @@
-"""Tests of the real-model asset step (no download needed, except the last test's optional cache)."""
+"""Tests of benchmarks/real_models.py, the real preset's fetch-and-convert script (no download needed,
+except the last test's optional cache), and of the library's read-only lookup of its output."""
 
 from __future__ import annotations
 
@@ -8,19 +9,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from model_helpers import load_script
 
-from xtokspec import assets
-from xtokspec.assets import (
-    REAL_MODELS,
-    ChecksumError,
-    MissingModelError,
-    PackageFile,
-    assemble_from_wheels,
-    concatenate_parts,
-    real_model_dir,
-    sha256_file,
-    verify_sha256,
-)
+from xtokspec import XTokSpecError, bench
+
+assets = load_script("benchmarks/real_models.py")
+REAL_MODELS, ChecksumError, MissingModelError = assets.REAL_MODELS, assets.ChecksumError, assets.MissingModelError
+PackageFile, assemble_from_wheels, concatenate_parts = assets.PackageFile, assets.assemble_from_wheels, assets.concatenate_parts
+real_model_dir, sha256_file, verify_sha256 = assets.real_model_dir, assets.sha256_file, assets.verify_sha256
 
 
 def _sha(data: bytes) -> str:
@@ -106,7 +102,7 @@ def test_missing_cache_error_tells_how_to_fetch(tmp_path: Path) -> None:
     with pytest.raises(MissingModelError) as info:
         real_model_dir("qwen2.5-coder-0.5b", cache_dir=tmp_path)
     msg = str(info.value)
-    assert "xtokspec fetch" in msg
+    assert "python benchmarks/real_models.py" in msg
     assert "qwen2.5-coder-0.5b" in msg
     assert str(tmp_path) in msg
     assert isinstance(info.value, FileNotFoundError)
@@ -143,3 +139,24 @@ def test_converted_qwen_tokenizer_loads() -> None:
     assert len(tok) >= 151_643
     text = "自然言語処理 def f(x): return x"
     assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+
+
+def test_the_library_only_reads_converted_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xtokspec.bench finds what the script converted, and names the script when a model is missing."""
+    monkeypatch.setenv(bench.CACHE_ENV, str(tmp_path))
+    with pytest.raises(XTokSpecError, match=r"python benchmarks/real_models.py gemma-3-270m"):
+        bench.real_model_dir("gemma-3-270m")
+    folder = tmp_path / "gemma-3-270m"
+    folder.mkdir()
+    (folder / assets.MARKER_FILE).write_text("{}")
+    assert bench.real_model_dir("gemma-3-270m") == folder
+    assert assets.cache_root() == tmp_path  # one definition of the cache location
+
+
+def test_the_package_holds_no_download_code() -> None:
+    import xtokspec
+
+    package = Path(xtokspec.__file__).parent
+    for source in package.glob("*.py"):
+        text = source.read_text(encoding="utf-8")
+        assert "pip\", \"download" not in text and "urllib" not in text and "requests" not in text, source

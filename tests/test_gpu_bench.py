@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
-from model_helpers import ROOT
+from model_helpers import load_script
 
 from xtokspec.types import expected_tokens
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu.py")
 
 
 def test_verify_cost_interpolates_and_clamps(gpu):

@@ -21,7 +21,7 @@ import reference
 from xtokspec import sampling
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 11  # statistical tests in this file (test_budget_count checks it)
+NUM_TESTS = 10  # statistical tests in this file (test_budget_count checks it)
 ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 8e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
@@ -150,7 +150,6 @@ PROMPTS = {
     ("onehot", "t0.7-k6-p0.9"): "使用する C コンパイラが",
     ("intersection", "t1.0-k3"): "使用する C コンパイラが",
     ("intersection", "t0.7-k6-p0.9"): "使用する C コンパイラが",
-    ("static:intersection", "t1.0-k3"): "使用する C コンパイラが",
 }
 FIRST, DEEP = "first", "deep"  # which proposals of a cycle a control corrupts: the first, or the second on
 
@@ -245,35 +244,44 @@ def half_shifted_map(where: str):
 CONTROLS = {"same-tokenizer": squared_proposal, "onehot": residual_keeps_guess, "intersection": half_shifted_map}
 
 
-# (path, setting) cases; "static:" runs the path with SpecConfig(cache="static") for both models.
-CASES = [(path, setting) for path in ("same-tokenizer", "onehot", "intersection") for setting in SETTINGS]
-CASES += [("static:intersection", "t1.0-k3")]
+# (backend, path, setting): every path runs once on the dynamic cache and once on another backend: "static"
+# (SpecConfig(cache="static")) or "compile" (SpecConfig(compile=True): padded fixed-length forwards on the
+# static cache, with torch.compile replaced by the identity so that the padding and rollback code runs in
+# seconds; tests/test_compile.py checks a real compile).
+CASES = [
+    ("dynamic", "same-tokenizer", "t1.0-k3"), ("compile", "same-tokenizer", "t0.7-k6-p0.9"),
+    ("dynamic", "onehot", "t1.0-k3"), ("static", "onehot", "t0.7-k6-p0.9"),
+    ("static", "intersection", "t1.0-k3"), ("dynamic", "intersection", "t0.7-k6-p0.9"),
+]
 
 
 @pytest.mark.stats
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{case[1]}")
+@pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
-    path, setting = case
-    cache, _, path = path.rpartition(":")
+    backend, path, setting = case
     spec = same_spec if path == "same-tokenizer" else bridged_spec
-    if cache:
+    if backend != "dynamic":
         from xtokspec import SpecConfig, XTokSpec
 
+        if backend == "compile":
+            monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+        config = SpecConfig(compile=True) if backend == "compile" else SpecConfig(cache=backend)
         spec = XTokSpec((spec.target_model, spec.target_tokenizer), (spec.draft_model, spec.draft_tokenizer),
-                        config=SpecConfig(cache=cache))
+                        config=config)
     proposal = "onehot" if path == "same-tokenizer" else path
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
-    prompt = PROMPTS[case]
+    prompt = PROMPTS[path, setting]
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
     samples, deep_share = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
-    assert not cache or spec.generate(prompt, max_new_tokens=2).stats.cache == f"{cache}/{cache}"
+    used = {"dynamic": "dynamic/dynamic", "static": "static/static", "compile": "static/static+compile"}[backend]
+    assert spec.generate(prompt, max_new_tokens=2).stats.cache == used
     assert deep_share >= MIN_DEEP_SHARE, (
         f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle: the test hardly reaches the second "
         "position (choose another prompt with tests/tools/deep_prompts.py)"
     )
     result = reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
-    report = [f"{case[0]} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
+    report = [f"{backend} {path} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
     for where in (FIRST, DEEP):
         with monkeypatch.context() as patch:
             for name, flawed in CONTROLS[path](where).items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -25,6 +26,8 @@ import torch
 from .models import fixture_model, fixtures_dir
 from .types import SpecConfig, XTokSpecError, expected_tokens
 
+CACHE_ENV = "XTOKSPEC_CACHE"  # where benchmarks/real_models.py puts the converted real models
+MARKER_FILE = "xtokspec-asset.json"  # written last by the conversion: the folder is complete
 REAL_PROMPTS = ["The main advantages of Python are", "自然言語処理とは何か", "東京の観光名所を紹介します。", "Pythonでファイルを読み込むには、",
                 "日本の四季について説明すると、", "機械学習のモデルを評価する方法は"]
 
@@ -73,6 +76,23 @@ class Models:
             self.draft_cross_hf = (copy.deepcopy(self.draft_cross[0]), self.draft_cross[1])
 
 
+def real_models_root() -> Path:
+    """$XTOKSPEC_CACHE, else ~/.cache/xtokspec/real: the folder of the real preset's converted models."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "xtokspec" / "real"
+
+
+def real_model_dir(name: str) -> Path:
+    """A converted real model's folder. xtokspec downloads nothing: a checkout's benchmarks/real_models.py does."""
+    folder = real_models_root() / name
+    if not (folder / MARKER_FILE).is_file():
+        raise XTokSpecError(
+            f"real model {name!r} is not in {folder}; fetch and convert it from an xtokspec checkout with: "
+            f"python benchmarks/real_models.py {name}  (or set ${CACHE_ENV} to where they are)"
+        )
+    return folder
+
+
 def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu") -> Models:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,8 +102,6 @@ def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu") -> Models:
 
     if preset == "fixtures":
         return Models(*(load(fixture_model(n)) for n in ("ja-target", "ja-draft-same", "ja-draft-bpe")))
-    from .assets import real_model_dir
-
     models = Models(load(real_model_dir("qwen2.5-coder-1.5b")), load(real_model_dir("qwen2.5-coder-0.5b")),
                     load(real_model_dir("gemma-3-270m")), cross_label="bridged-gemma",
                     extra_cross={"smollm": load(real_model_dir("smollm2-135m"))})

