@@ -6,6 +6,9 @@ number of distinct continuations (fewer outcomes: more power per sample). Re-run
 models change, then confirm the chosen prompts with `pytest -m stats -s tests/test_stats.py`.
 
 Run: python tests/tools/deep_prompts.py --setting t1.0-k3 --runs 100 --prompts 64
+     python tests/tools/deep_prompts.py --power --runs 400 --prompt "..." [--prompt ...]
+       (each test case's check and both negative controls at --runs samples, with the controls' p-values
+       *predicted* at N_E2E by scaling the chi-square excess over its degrees of freedom linearly in N)
 """
 
 from __future__ import annotations
@@ -15,14 +18,50 @@ import sys
 from pathlib import Path
 
 import torch
+from scipy import stats as scipy_stats
+
+import reference  # NOTE: before tests/ joins sys.path, where tests/reference would shadow it
+from xtokspec import XTokSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import test_stats  # noqa: E402
 from model_helpers import FIXTURES, load_fixture_model  # noqa: E402
 from test_stats import LENGTH, NUM_DRAFT_TOKENS, SETTINGS  # noqa: E402
 
-from xtokspec import XTokSpec  # noqa: E402
-
 PATHS = ("same-tokenizer", "onehot", "intersection")
+
+
+def power(prompts: list[str], runs: int) -> None:
+    """For every test case and prompt: the check's p-value and both controls' p-values at `runs` samples,
+    and the controls' p-values predicted at test_stats.N_E2E."""
+    import pytest
+
+    target = load_fixture_model("ja-target")
+    specs = {"bridged": XTokSpec(target, load_fixture_model("ja-draft-bpe")),
+             "same": XTokSpec(target, load_fixture_model("ja-draft-same"))}
+    scale = test_stats.N_E2E / runs
+    for backend, path, setting in test_stats.CASES:
+        spec = specs["same" if path == "same-tokenizer" else "bridged"]
+        proposal = "onehot" if path == "same-tokenizer" else path
+        params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
+        for prompt in prompts:
+            exact = test_stats.exact_continuations(*target, prompt, params, LENGTH, spec.target_eos)
+            samples, deep = test_stats.sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
+            cells = [f"deep {deep:.2f}", f"p {reference.chisquare_test(*_counts(samples, exact), test_stats.ALPHA).pvalue:.2g}"]
+            for where in (test_stats.FIRST, test_stats.DEEP):
+                with pytest.MonkeyPatch.context() as patch:
+                    for name, flawed in test_stats.CONTROLS[path](where).items():
+                        patch.setattr(test_stats.sampling, name, flawed)
+                    wrong, _ = test_stats.sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
+                result = reference.chisquare_test(*_counts(wrong, exact), test_stats.ALPHA)
+                predicted = scipy_stats.chi2.sf(result.dof + (result.statistic - result.dof) * scale, result.dof)
+                cells.append(f"{where} control p {result.pvalue:.2g} -> {predicted:.1g} predicted")
+            print(f"{backend} {path} {setting} {prompt!r}: " + ", ".join(cells), flush=True)
+
+
+def _counts(samples, exact):
+    counts, probs, _ = reference.count_samples(samples, exact)
+    return counts, probs / probs.sum()
 
 
 def main() -> None:
@@ -30,8 +69,13 @@ def main() -> None:
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="t1.0-k3")
     parser.add_argument("--runs", type=int, default=100, help="seeded generations per prompt and path")
     parser.add_argument("--prompts", type=int, default=64, help="first N lines of fixtures/data/prompts.txt")
+    parser.add_argument("--power", action="store_true", help="power of each case's controls at --prompt prompts")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt for --power (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.power:
+        power(args.prompt, args.runs)
+        return
     target = load_fixture_model("ja-target")
     bridged = XTokSpec(target, load_fixture_model("ja-draft-bpe"))
     same = XTokSpec(target, load_fixture_model("ja-draft-same"))
