@@ -105,10 +105,15 @@ def test_greedy_equals_target_on_hostile_text(draft, bridged_spec, same_spec, ja
 
 
 @pytest.mark.slow
-def test_bridge_never_introduces_replacement_characters(bridged_spec):
+def test_bridge_never_introduces_replacement_characters(bridged_spec, ja_target):
+    """No U+FFFD that the target's own continuation does not have. (The v2 target itself emits byte-fallback
+    runs that never complete a character after "𠮷野家の牛丼", e.g. <0xE7><0x97> repeated; xtokspec must
+    reproduce them, not repair them.)"""
+    model, tokenizer = ja_target
     for prompt in HOSTILE_PROMPTS:
-        result = bridged_spec.generate(prompt, max_new_tokens=24)
-        assert "\ufffd" not in bridged_spec.target_tokenizer.decode(result.token_ids) or "\ufffd" in prompt
+        ours = bridged_spec.target_tokenizer.decode(bridged_spec.generate(prompt, max_new_tokens=24).token_ids)
+        own = tokenizer.decode(target_generate(model, tokenizer, prompt, 24))
+        assert ours.count("\ufffd") <= own.count("\ufffd"), (prompt, ours, own)
 
 
 @pytest.mark.slow
