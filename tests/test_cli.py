@@ -148,6 +148,7 @@ def test_every_option_has_help_and_shows_its_default(capsys):
         parser.parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: ja-target)" in out and "(default: auto)" in out and "(default: 128)" in out
+    assert "(default: None)" not in out and "(default: False)" not in out
 
 
 def test_fetch_script_help_names_itself(capsys):

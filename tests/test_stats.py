@@ -212,8 +212,9 @@ def squared_proposal(where: str):
     return {"count_accepted": flawed_count, "next_token_distribution": flawed_next}
 
 
-def residual_keeps_guess(where: str):
-    """WRONG (one-hot): after a rejection at the chosen positions, sample the target without removing the guess."""
+def residual_ignores_proposal(where: str):
+    """WRONG: after a rejection at the chosen positions, sample the target itself instead of the residual
+    (one-hot: the rejected guess is not removed; a full proposal q: p instead of max(0, p - q))."""
     next_token_distribution = sampling.next_token_distribution
 
     def flawed(target_probs, proposal_ids, num_accepted, proposal_probs=None):
@@ -241,18 +242,29 @@ def half_shifted_map(where: str):
     return {"map_to_target": flawed}
 
 
-CONTROLS = {"same-tokenizer": squared_proposal, "onehot": residual_keeps_guess, "intersection": half_shifted_map}
+FLAWS = {"q^2": squared_proposal, "residual": residual_ignores_proposal, "half-map": half_shifted_map}
 
 
 # (backend, path, setting): every path runs once on the dynamic cache and once on another backend: "static"
 # (SpecConfig(cache="static")) or "compile" (SpecConfig(compile=True): padded fixed-length forwards on the
 # static cache, with torch.compile replaced by the identity so that the padding and rollback code runs in
 # seconds; tests/test_compile.py checks a real compile).
+# Each case's negative controls: (flaw, where). The deep control is in every case; the dynamic cases add
+# the first-position one. q^2 is the reviewer's mutant (the verifier told q^2 instead of q); at T=0.7 with
+# top-k/top-p the draft is peaked, q^2 barely differs from q there, so that case uses the residual flaw.
 CASES = [
     ("dynamic", "same-tokenizer", "t1.0-k3"), ("compile", "same-tokenizer", "t0.7-k6-p0.9"),
     ("dynamic", "onehot", "t1.0-k3"), ("static", "onehot", "t0.7-k6-p0.9"),
     ("static", "intersection", "t1.0-k3"), ("dynamic", "intersection", "t0.7-k6-p0.9"),
 ]
+CASE_CONTROLS = {
+    CASES[0]: (("q^2", "first"), ("q^2", "deep")),
+    CASES[1]: (("residual", "deep"),),
+    CASES[2]: (("residual", "first"), ("residual", "deep")),
+    CASES[3]: (("residual", "deep"),),
+    CASES[4]: (("half-map", "deep"),),
+    CASES[5]: (("half-map", "first"), ("half-map", "deep")),
+}
 
 
 @pytest.mark.stats
@@ -282,17 +294,17 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
     )
     result = reference.assert_samples_match(samples, exact, ALPHA, f"{path} {setting}")
     report = [f"{backend} {path} {setting}: p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
-    for where in (FIRST, DEEP):
+    for flaw, where in CASE_CONTROLS[case]:
         with monkeypatch.context() as patch:
-            for name, flawed in CONTROLS[path](where).items():
+            for name, flawed in FLAWS[flaw](where).items():
                 patch.setattr(sampling, name, flawed)
             wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt)
         counts, probs, _labels = reference.count_samples(wrong, exact)
         control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
         assert control.rejected, (
-            f"negative control flawed at the {where} proposal passed (p={control.pvalue:.3g}): no power there"
+            f"negative control ({flaw}) flawed at the {where} proposal passed (p={control.pvalue:.3g}): no power there"
         )
-        report.append(f"{where}-position control p={control.pvalue:.3g}")
+        report.append(f"{flaw} {where}-position control p={control.pvalue:.3g}")
     print("; ".join(report))  # the figures fixtures/README.md quotes (pytest -s)
 
 

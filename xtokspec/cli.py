@@ -15,6 +15,15 @@ _STOPPED = {"eos": "the target emitted EOS", "length": "--max-new-tokens reached
             "context": "the target's context is full (max_position_embeddings)"}
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, except an empty one (None, False): their help says what happens instead."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _load_kwargs(dtype: str, device: str | None) -> dict:
     import torch
 
@@ -103,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
-        "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "generate", formatter_class=_HelpFormatter,
         help="continue a prompt with speculative decoding (bundled fixture models by default)",
         description="Continue a prompt with speculative decoding; the output is the target's own (greedy: token "
         "for token; sampling: the same distribution). Prints the continuation, then the models and statistics "
@@ -140,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     add_bench_parser(sub)
-    fetch = sub.add_parser("fetch", help="moved: python benchmarks/real_models.py (the library downloads nothing)")
+    moved = "moved: from an xtokspec checkout, run python benchmarks/real_models.py (the library downloads nothing)"
+    fetch = sub.add_parser("fetch", help=moved, description=moved)
     fetch.set_defaults(func=_fetch_moved)
     return parser
 

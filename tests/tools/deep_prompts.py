@@ -31,7 +31,7 @@ from test_stats import LENGTH, NUM_DRAFT_TOKENS, SETTINGS  # noqa: E402
 PATHS = ("same-tokenizer", "onehot", "intersection")
 
 
-def power(prompts: list[str], runs: int) -> None:
+def power(prompts: list[str], runs: int, cases: list[str]) -> None:
     """For every test case and prompt: the check's p-value and both controls' p-values at `runs` samples,
     and the controls' p-values predicted at test_stats.N_E2E."""
     import pytest
@@ -41,6 +41,8 @@ def power(prompts: list[str], runs: int) -> None:
              "same": XTokSpec(target, load_fixture_model("ja-draft-same"))}
     scale = test_stats.N_E2E / runs
     for backend, path, setting in test_stats.CASES:
+        if cases and "-".join((backend, path, setting)) not in cases:
+            continue
         spec = specs["same" if path == "same-tokenizer" else "bridged"]
         proposal = "onehot" if path == "same-tokenizer" else path
         params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
@@ -48,14 +50,14 @@ def power(prompts: list[str], runs: int) -> None:
             exact = test_stats.exact_continuations(*target, prompt, params, LENGTH, spec.target_eos)
             samples, deep = test_stats.sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
             cells = [f"deep {deep:.2f}", f"p {reference.chisquare_test(*_counts(samples, exact), test_stats.ALPHA).pvalue:.2g}"]
-            for where in (test_stats.FIRST, test_stats.DEEP):
+            for flaw, where in test_stats.CASE_CONTROLS[backend, path, setting]:
                 with pytest.MonkeyPatch.context() as patch:
-                    for name, flawed in test_stats.CONTROLS[path](where).items():
+                    for name, flawed in test_stats.FLAWS[flaw](where).items():
                         patch.setattr(test_stats.sampling, name, flawed)
                     wrong, _ = test_stats.sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
                 result = reference.chisquare_test(*_counts(wrong, exact), test_stats.ALPHA)
                 predicted = scipy_stats.chi2.sf(result.dof + (result.statistic - result.dof) * scale, result.dof)
-                cells.append(f"{where} control p {result.pvalue:.2g} -> {predicted:.1g} predicted")
+                cells.append(f"{flaw} {where} control p {result.pvalue:.2g} -> {predicted:.1g} predicted")
             print(f"{backend} {path} {setting} {prompt!r}: " + ", ".join(cells), flush=True)
 
 
@@ -71,10 +73,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="first N lines of fixtures/data/prompts.txt")
     parser.add_argument("--power", action="store_true", help="power of each case's controls at --prompt prompts")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt for --power (repeatable)")
+    parser.add_argument("--case", action="append", default=[], help="only this test case, e.g. dynamic-onehot-t1.0-k3")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.power:
-        power(args.prompt, args.runs)
+        power(args.prompt, args.runs, args.case)
         return
     target = load_fixture_model("ja-target")
     bridged = XTokSpec(target, load_fixture_model("ja-draft-bpe"))
