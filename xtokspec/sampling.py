@@ -45,9 +45,10 @@ def build_warpers(params: SamplingParams) -> LogitsProcessorList:
 def logits_to_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
     """(N, V) raw logits -> (N, V) float32 probabilities after the warpers, as transformers samples them."""
     scores = logits.float()
-    if not torch.isfinite(scores).any(dim=-1).all():
-        raise XTokSpecError("model produced a row of logits with no finite value (all -inf or NaN)")
-    if torch.isnan(scores).any():
+    # NOTE: one host sync for both checks; the message is worked out only when something is wrong.
+    if bool(torch.isnan(scores).any() | ~torch.isfinite(scores).any(dim=-1).all()):
+        if not torch.isfinite(scores).any(dim=-1).all():
+            raise XTokSpecError("model produced a row of logits with no finite value (all -inf or NaN)")
         raise XTokSpecError("model produced NaN logits")
     scores = warpers(None, scores)  # transformers' warpers ignore input_ids
     return torch.softmax(scores, dim=-1)  # (N, V)
