@@ -248,9 +248,8 @@ class XTokSpec:
 
     def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, proposal=None, num_draft_tokens=None, adaptive=None) -> Iterator[list[int]]:
-        check_prompt(prompt)
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
-        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
         config = self.config
         if num_draft_tokens is not None or adaptive is not None:
             config = dataclasses.replace(
