@@ -10,6 +10,12 @@ Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dyn
   it are overwritten by the next forward, which writes at positions length.., and until then the causal mask
   hides them (a query at position t attends to positions <= t). This relies on StaticLayer writing at
   `cumulative_length + arange(T)` (transformers 5.x; tests/test_cache.py pins it against the installed version).
+
+Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
+with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
+cache, the uncached ids and its own ancestors); `keep_path` then moves the accepted nodes' keys and values to
+the positions right after the uncached ids, in place, and rolls the rest back. `branches` copies the cache
+into a batch of rows for the draft's tree (always a DynamicCache: it lives for one cycle).
 """
 
 from __future__ import annotations
@@ -75,6 +81,12 @@ class _DynamicKV:
     def advance(self, n: int) -> None:
         pass  # the cache's own length grew in the forward
 
+    def mask_length(self, n_new: int) -> int:
+        return self.length + n_new  # keys after the update: the cache and the new ones
+
+    def layer_tensors(self):
+        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
+
     def rollback(self, n: int) -> None:
         extra = self.length - n
         if extra > 0:
@@ -95,6 +107,12 @@ class _StaticKV:
 
     def advance(self, n: int) -> None:
         self._length += n
+
+    def mask_length(self, n_new: int) -> int:
+        return self.capacity  # attention runs over the whole buffer; the mask hides what is not written
+
+    def layer_tensors(self):
+        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
     def rollback(self, n: int) -> None:
         if n >= self._length:
@@ -125,7 +143,8 @@ class ModelState:
     padded to the next bucket length and run through it; the padding's cache positions are rolled back.
     """
 
-    def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None):
+    def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None,
+                 tree_nodes: int = 0):
         if step is not None and backend != "static":
             raise ValueError("a compiled step needs the static backend")
         self.model = model
@@ -135,7 +154,8 @@ class ModelState:
         self.backend = backend
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         capacity = min(capacity or limit, limit)
-        self.kv = (_StaticKV if backend == "static" else _DynamicKV)(model, capacity)
+        self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
+        self.kv = (_StaticKV if backend == "static" else _DynamicKV)(model, capacity + tree_nodes)
 
     @property
     def cached(self) -> int:
@@ -143,8 +163,9 @@ class ModelState:
 
     @property
     def capacity(self) -> int:
-        """Most positions the cache can hold (the static buffer's size; the model's context when dynamic)."""
-        return self.kv.capacity
+        """Most ids the cache can hold (the static buffer's size; the model's context when dynamic), not counting
+        the room kept for tree nodes."""
+        return self.kv.capacity - self.tree_nodes
 
     def forward(self, keep: int) -> torch.Tensor:
         """Feed ids[cached:] and return the logits (keep, V) of the last `keep` of them."""
@@ -197,3 +218,74 @@ class ModelState:
         """Keep ids[:n]; roll the cache back to at most n positions."""
         del self.ids[n:]
         self.kv.rollback(n)
+
+    # ------------------------------------------------------------ token trees
+    def forward_tree(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed ids[cached:] and then trie nodes (node n >= 1: token tokens[n] under parent parents[n]; node 0 is
+        the last uncached id) in one forward -> logits (N+1, V): row 0 after the ids, row n after node n.
+
+        Runs eagerly (not through a compiled step). Until `keep_path`, the cache holds the nodes too."""
+        if self.cached >= len(self.ids):
+            self.kv.rollback(len(self.ids) - 1)
+        new = self.ids[self.cached :]
+        nodes = len(tokens) - 1
+        total = len(self.ids) + nodes
+        if total > self.kv.capacity:
+            raise RuntimeError(f"{total} ids and tree nodes exceed the cache's {self.kv.capacity} positions")
+        start, u = self.cached, len(new)
+        depth = [0] * len(tokens)
+        for n in range(1, len(tokens)):
+            depth[n] = depth[parents[n]] + 1
+        positions = list(range(start, start + u)) + [start + u - 1 + depth[n] for n in range(1, len(tokens))]
+        dtype = self.model.get_input_embeddings().weight.dtype
+        visible = torch.zeros(u + nodes, self.kv.mask_length(u + nodes), dtype=torch.bool)
+        visible[:, :start] = True  # the cache
+        visible[:u, start : start + u] = torch.ones(u, u, dtype=torch.bool).tril()  # the uncached ids: causal
+        visible[u:, start : start + u] = True  # every node follows all of them
+        for n in range(1, len(tokens)):  # each node sees its ancestors and itself
+            a = n
+            while a > 0:
+                visible[u - 1 + n, start + u - 1 + a] = True
+                a = parents[a]
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        input_ids = torch.tensor([new + tokens[1:]], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=nodes + 1,
+            attention_mask=mask[None, None].to(self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+        )
+        self.kv.advance(u + nodes)
+        self._tree_base = start + u  # cache position of node 1
+        return out.logits[0]  # (N+1, V)
+
+    def keep_path(self, path: list[int], tokens: list[int]) -> None:
+        """After `forward_tree`: keep the nodes on `path` (increasing node numbers) as ids and cache entries,
+        in place, and drop every other node."""
+        base = self._tree_base
+        src = [base + n - 1 for n in path]
+        if src != list(range(base, base + len(path))):  # already in place when the path is nodes 1, 2, ...
+            index_from = torch.tensor(src, device=self.device)
+            index_to = torch.arange(base, base + len(path), device=self.device)
+            for keys, values in self.kv.layer_tensors():
+                for t in (keys, values):  # (1, heads, L, head_dim)
+                    moved = t.index_select(2, index_from.to(t.device))
+                    t.index_copy_(2, index_to.to(t.device), moved)
+        self.kv.rollback(base + len(path))
+        self.ids.extend(tokens[n] for n in path)
+
+    def branches(self, rows: int) -> DynamicCache:
+        """A DynamicCache with the cached positions repeated over `rows` batch rows (for tree drafting)."""
+        cache = DynamicCache(config=self.model.config)
+        n = self.cached
+        for layer_idx, (keys, values) in enumerate(self.kv.layer_tensors()):
+            cache.update(keys[:, :, :n].repeat(rows, 1, 1, 1), values[:, :, :n].repeat(rows, 1, 1, 1), layer_idx)
+        return cache
+
+
+def select_rows(cache: DynamicCache, rows: list[int]) -> None:
+    """Reorder (and repeat) a branch cache's batch rows in place: row i becomes old row rows[i]."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            index = torch.tensor(rows, device=layer.keys.device)
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)

@@ -16,6 +16,7 @@ character.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from . import sampling
+from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map
-from .cache import ModelState, choose_backend, compile_step, input_device
+from .cache import ModelState, choose_backend, compile_step, input_device, select_rows, sliding_layers
 from .models import load
 from .types import (
     GenerationResult,
@@ -73,10 +74,15 @@ def _eos_ids(model, tokenizer) -> set[int]:
 class DraftLengthPolicy:
     """Chooses K each cycle to maximise expected committed tokens per second from measured costs.
 
-    With per-token acceptance a and m proposals, a cycle commits (1 - a^(m+1)) / (1 - a) tokens on average
-    (Leviathan et al. 2023, eq. 1) and costs K draft steps plus one verification whose cost grows linearly
-    with m. a, the cost of a draft step, the verification cost line and the proposals per draft token are
-    all measured online with exponential forgetting.
+    With per-token acceptance a and m proposals in a row, a cycle commits (1 - a^(m+1)) / (1 - a) tokens on
+    average (Leviathan et al. 2023, eq. 1) and costs K draft steps plus one verification whose cost grows
+    linearly with the number of tokens verified. For a chain both are the proposals. For a token tree, m is the
+    tree's depth and the verification carries every node; the first level (the root's several candidates) is
+    accepted far more often than the levels below it (a beam spends its width on the likeliest branch), so a
+    tree has two rates: a1 for the first level and a for each level after it, and commits
+    1 + a1 * (1 - a^m) / (1 - a) tokens on average. The acceptance rates, the cost of a draft step, the
+    verification cost line, and the depth and nodes per draft step are all measured online with exponential
+    forgetting.
     """
 
     def __init__(self, config: SpecConfig, decay: float = 0.9):
@@ -84,21 +90,36 @@ class DraftLengthPolicy:
         self.decay = decay
         self.k = config.num_draft_tokens
         self.successes, self.failures = 1.0, 1.0  # acceptance evidence (a Beta(1, 1) prior)
+        self.tree = config.tree_width > 1
+        self.first_successes, self.first_failures = 1.0, 1.0  # a tree's first level (Beta(1, 1) prior)
         self.draft_step = None  # seconds per draft forward
-        self.verify = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums: n, m, m^2, t, m*t  (t = verify seconds)
-        self.proposals_per_draft = 1.0
+        self.verify = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums: n, m, m^2, t, m*t  (m = nodes, t = verify seconds)
+        self.proposals_per_draft = 1.0  # depth (proposals in a row) per draft step
+        self.nodes_per_draft = 1.0  # tokens verified per draft step
         self.cycles = 0
 
-    def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float,
+               nodes: int | None = None, rejected: bool | None = None) -> None:
+        """One cycle: `drafted` draft steps, `proposed` proposals in a row (a tree's depth), `accepted` of them;
+        for a tree also its `nodes` and whether the walk stopped at a rejection (a chain: accepted < proposed)."""
         d = self.decay
+        nodes = proposed if nodes is None else nodes
+        rejected = accepted < proposed if rejected is None else rejected
         self.cycles += 1
-        self.successes = d * self.successes + accepted
-        self.failures = d * self.failures + (1.0 if accepted < proposed else 0.0)
+        if self.tree:  # the first level apart; `successes`/`failures` count the levels below it
+            self.first_successes = d * self.first_successes + (accepted >= 1)
+            self.first_failures = d * self.first_failures + (accepted == 0 and rejected)
+            self.successes = d * self.successes + max(0, accepted - 1)
+            self.failures = d * self.failures + (1.0 if accepted >= 1 and rejected else 0.0)
+        else:
+            self.successes = d * self.successes + accepted
+            self.failures = d * self.failures + (1.0 if rejected else 0.0)
         if drafted:
             step = draft_s / drafted
             self.draft_step = step if self.draft_step is None else d * self.draft_step + (1 - d) * step
             self.proposals_per_draft = d * self.proposals_per_draft + (1 - d) * proposed / drafted
-        m = float(proposed)
+            self.nodes_per_draft = d * self.nodes_per_draft + (1 - d) * nodes / drafted
+        m = float(nodes)
         for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
             self.verify[i] = d * self.verify[i] + v
 
@@ -112,10 +133,12 @@ class DraftLengthPolicy:
         if not self.config.adaptive or self.cycles < 3 or self.draft_step is None:
             return self.k
         a = min(self.successes / (self.successes + self.failures), 0.999)
+        a1 = min(self.first_successes / (self.first_successes + self.first_failures), 0.999)
         best, best_rate = 1, 0.0
         for k in range(1, self.config.max_draft_tokens + 1):
-            m = self.proposals_per_draft * k
-            rate = expected_tokens(a, m) / (k * self.draft_step + max(self._verify_cost(m), 1e-6))
+            depth, nodes = self.proposals_per_draft * k, self.nodes_per_draft * k
+            tokens = 1 + a1 * expected_tokens(a, depth - 1) if self.tree else expected_tokens(a, depth)
+            rate = tokens / (k * self.draft_step + max(self._verify_cost(nodes), 1e-6))
             if rate > best_rate:
                 best, best_rate = k, rate
         self.k = best
@@ -155,7 +178,7 @@ class XTokSpec:
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
 
-        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive.
+        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width.
         """
         stats = GenerationStats()
         token_ids: list[int] = []
@@ -222,7 +245,7 @@ class XTokSpec:
             )
         return params
 
-    def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int) -> ModelState:
+    def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int, tree_nodes: int = 0) -> ModelState:
         """ids + KV cache with the configured backend (and the compiled step, compiled once per XTokSpec)."""
         backend = choose_backend(model, config.cache, config.compile)
         step = None
@@ -230,7 +253,7 @@ class XTokSpec:
             step = self._steps.get(id(model))
             if step is None:
                 step = self._steps[id(model)] = compile_step(model)
-        return ModelState(model, ids, backend, capacity, step)
+        return ModelState(model, ids, backend, capacity, step, tree_nodes)
 
     # ---------------------------------------------------------------- the loop
     def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
@@ -247,9 +270,15 @@ class XTokSpec:
         return target_ids, draft_ids
 
     def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
-                top_p=None, seed=None, proposal=None, num_draft_tokens=None, adaptive=None) -> Iterator[list[int]]:
+                top_p=None, seed=None, **options) -> Iterator[list[int]]:
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
+        yield from self._cycles_from_ids(target_ids, draft_ids, max_new_tokens, stats, params, **options)
+
+    def _cycles_from_ids(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int,
+                         stats: GenerationStats, params: SamplingParams, *, proposal=None, num_draft_tokens=None,
+                         adaptive=None, tree_width=None) -> Iterator[list[int]]:
+        """The loop over prepared prompt ids (`_cycles` and the transformers entry point, xtokspec/hf.py)."""
         config = self.config
         if num_draft_tokens is not None or adaptive is not None:
             config = dataclasses.replace(
@@ -258,18 +287,32 @@ class XTokSpec:
                 max_draft_tokens=max(config.max_draft_tokens, num_draft_tokens or 0),
                 adaptive=config.adaptive if adaptive is None else adaptive,
             )
-        kind = self._proposal_kind(params, proposal or config.proposal)
-        stats.proposal = kind
+        if tree_width is not None:
+            config = dataclasses.replace(config, tree_width=tree_width)
+        if config.tree_width > 1 and sliding_layers(self.target_model):
+            raise XTokSpecError(
+                f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
+                f"{type(self.target_model).__name__} has {sliding_layers(self.target_model)} layers: use tree_width=1"
+            )
+        kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
+        stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
         with torch.inference_mode():
             yield from _Run(self, params, config, kind, stats).cycles(target_ids, draft_ids, max_new_tokens)
 
-    def _proposal_kind(self, params: SamplingParams, proposal: str) -> str:
+    def _proposal_kind(self, params: SamplingParams, proposal: str, tree_width: int = 1) -> str:
         if proposal not in ("auto", "onehot", "intersection"):
             raise XTokSpecError(f"proposal must be 'auto', 'onehot' or 'intersection', got {proposal!r}")
         if self.same_vocab:
             return "same-tokenizer"
         if not params.do_sample:
             return "greedy-bridge"
+        if tree_width > 1:  # a tree's nodes are one-hot candidates (xtokspec/tree.py)
+            if proposal == "intersection":
+                raise XTokSpecError(
+                    f"token trees (tree_width={tree_width}) verify one-hot candidates; proposal='intersection' "
+                    "needs tree_width=1 (or use proposal='auto' / 'onehot')"
+                )
+            return "onehot"
         if proposal == "auto":
             return "intersection" if self.token_map.mapped_draft_share >= self.config.min_mapped_mass else "onehot"
         return proposal
@@ -300,11 +343,13 @@ class _Run:
         return torch.Generator(device=input_device(model)).manual_seed(seed)
 
     def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int) -> Iterator[list[int]]:
-        stats, spec = self.stats, self.spec
+        spec = self.spec
         # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens
         # ids; the draft's text in its own tokens is unknown in advance: at most 3 per target token is budgeted,
         # and a draft that fills its cache only stops drafting (self.draft_limit), which costs speed, not output.
-        target = spec._model_state(spec.target_model, target_ids, self.config, len(target_ids) + max_new_tokens)
+        tree_nodes = self.config.max_tree_nodes if self.config.tree_width > 1 else 0
+        target = spec._model_state(spec.target_model, target_ids, self.config, len(target_ids) + max_new_tokens,
+                                   tree_nodes)
         draft = spec._model_state(spec.draft_model, draft_ids, self.config,
                                   len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16)
         self.target_limit = min(self.target_limit, target.capacity)
@@ -316,6 +361,14 @@ class _Run:
         while produced < max_new_tokens:
             remaining = max_new_tokens - produced
             k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
+            if self.config.tree_width > 1:
+                new_ids = self._tree_cycle(target, draft, k, remaining)
+                produced += len(new_ids)
+                if self._finish(new_ids, produced, max_new_tokens, target, start):
+                    yield new_ids
+                    return
+                yield new_ids
+                continue
             t0 = time.perf_counter()
             drafted, draft_rows, eos_drafted = self._draft(draft, max(k, 0))
             t1 = time.perf_counter()
@@ -338,32 +391,39 @@ class _Run:
             t4 = time.perf_counter()
             produced += len(new_ids)
             self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
-            stats.wall_seconds = time.perf_counter() - start
-            if new_ids[-1] in spec.target_eos:
-                stats.stop_reason = "eos"
-            elif produced >= max_new_tokens:
-                stats.stop_reason = "length"
-            elif len(target.ids) >= self.target_limit:
-                stats.stop_reason = "context"  # NOTE: the target alone could not go on either
             yield new_ids
-            if stats.stop_reason:
+            if self._finish(new_ids, produced, max_new_tokens, target, start):
                 return
 
-    def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s) -> None:
+    def _finish(self, new_ids, produced, max_new_tokens, target, start) -> bool:
+        """Record the wall time and why generation stops (if it does) -> whether it stops."""
+        stats = self.stats
+        stats.wall_seconds = time.perf_counter() - start
+        if new_ids[-1] in self.spec.target_eos:
+            stats.stop_reason = "eos"
+        elif produced >= max_new_tokens:
+            stats.stop_reason = "length"
+        elif len(target.ids) >= self.target_limit:
+            stats.stop_reason = "context"  # NOTE: the target alone could not go on either
+        return bool(stats.stop_reason)
+
+    def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s, nodes=None,
+                 rejected=None) -> None:
         s = self.stats
+        rejected = accepted < proposed if rejected is None else rejected
         s.target_forwards += 1
         s.draft_forwards += drafted
-        s.drafted += proposed
+        s.drafted += proposed if nodes is None else nodes
         s.accepted += accepted
-        s.rejections += accepted < proposed
+        s.rejections += rejected
         s.new_tokens += committed
         s.draft_seconds += draft_s
         s.bridge_seconds += bridge_s
         s.verify_seconds += verify_s
         s.draft_lengths.append(drafted)
-        s.proposal_lengths.append(proposed)
+        s.proposal_lengths.append(proposed if nodes is None else nodes)
         s.accepted_lengths.append(accepted)
-        self.policy.update(drafted, proposed, accepted, draft_s, verify_s)
+        self.policy.update(drafted, proposed, accepted, draft_s, verify_s, nodes, rejected)
 
     # ---------------------------------------------------------------- 1. draft
     def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
@@ -452,6 +512,114 @@ class _Run:
         dist = sampling.next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
         noise = sampling.exponential_noise(dist.shape, gen, gen.device).to(dist.device)
         return num_accepted, int(sampling.race(dist, noise))
+
+    # ---------------------------------------------------------------- token trees (steps 1-5 for a tree)
+    def _tree_cycle(self, target: ModelState, draft: ModelState, k: int, remaining: int) -> list[int]:
+        """Draft a tree, bridge its branches into a trie of target tokens, verify it in one forward, commit."""
+        t0 = time.perf_counter()
+        branches, steps = self._draft_tree(draft, max(k, 0))
+        t1 = time.perf_counter()
+        trie = tree.Trie()
+        max_depth = max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))
+        for path, eos in branches:
+            trie.insert(self._bridge_branch(path, eos), max_depth, self.config.max_tree_nodes)
+        t2 = time.perf_counter()
+        logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
+        if not self.params.do_sample:
+            path, next_token = tree.verify_tree_greedy(logits, trie)
+        else:
+            probs = sampling.logits_to_probs(logits, self.warpers)  # (N+1, Vt)
+            gen = self.target_gen
+            uniforms = torch.rand((trie.size + 1, max(1, trie.max_children())), generator=gen, device=gen.device)
+            noise = sampling.exponential_noise(probs.shape[-1:], gen, gen.device)
+            path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise)
+        t3 = time.perf_counter()
+        target.keep_path(path, trie.tokens)
+        target.ids.append(next_token)
+        new_ids = trie.path_tokens(path) + [next_token]
+        for n, token in enumerate(new_ids):
+            if token in self.spec.target_eos:
+                new_ids = new_ids[: n + 1]
+                break
+        new_ids = new_ids[:remaining]
+        self._resync(draft, [], new_ids)  # NOTE: the branches lived in their own cache; re-encode the new text
+        t4 = time.perf_counter()
+        rejected = bool(trie.children[path[-1] if path else 0])
+        self._account(steps, trie.depth, len(path), len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
+                      nodes=trie.size, rejected=rejected)
+        return new_ids
+
+    def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool]], int]:
+        """A beam of `tree_width` draft paths grown for k steps -> (branches as (draft ids, ends at EOS), forwards).
+
+        At each depth the candidates are the top tree_width tokens of every path's next-token distribution (the
+        target's warpers applied when sampling), ranked by the path's probability under the draft; the draft's
+        greedy chain goes on first, then the best candidates whose text differs from the others', up to
+        tree_width paths. A path that no candidate continues is a branch.
+        Rows of one batched forward per depth, over a copy of the draft's cache."""
+        width = self.config.tree_width
+        table = self.spec.draft.token_bytes
+        probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
+        steps = 1
+        paths, scores, texts = [[]], [0.0], [b""]
+        branches: list[tuple[list[int], bool]] = []
+        cache = None
+        for depth in range(k):
+            top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
+            candidates = sorted(
+                ((scores[r] + math.log(p), r, t) for r, (ps, ts) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True))
+                 for p, t in zip(ps, ts, strict=True) if p > 0),
+                reverse=True,
+            )
+            chosen, seen = [], set()
+            # NOTE: row 0 is always the draft's greedy chain, and its next token goes first: a tree then holds
+            # the chain that tree_width=1 would draft, and never accepts less than it with the same K.
+            first = next((c for c in candidates if c[1] == 0), None)
+            for score, r, t in ([first] if first else []) + candidates:
+                key = (texts[r] + table[t]) if table[t] else (texts[r], t)  # same text, same target tokens
+                if key not in seen:
+                    seen.add(key)
+                    chosen.append((score, r, t))
+                if len(chosen) == width:
+                    break
+            continued = {r for _, r, _ in chosen}
+            branches += [(paths[r], False) for r in range(len(paths)) if r not in continued and paths[r]]
+            frontier = []
+            for score, r, t in chosen:
+                if t in self.spec.draft_eos:
+                    branches.append((paths[r] + [t], True))
+                elif depth == k - 1:
+                    branches.append((paths[r] + [t], False))
+                else:
+                    frontier.append((score, r, t))
+            if not frontier:
+                break
+            rows = [r for _, r, _ in frontier]
+            if cache is None:
+                cache = draft.branches(len(rows))
+            else:
+                select_rows(cache, rows)
+            tokens = torch.tensor([[t] for _, _, t in frontier], dtype=torch.long, device=draft.device)  # (B, 1)
+            out = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True)
+            steps += 1
+            probs = self._tree_probs(out.logits[:, -1])  # (B, Vd)
+            paths = [paths[r] + [t] for _, r, t in frontier]
+            texts = [texts[r] + table[t] for _, r, t in frontier]
+            scores = [score for score, _, _ in frontier]
+        return branches, steps
+
+    def _tree_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's next-token probabilities that rank tree candidates: warped as the target's when sampling."""
+        if self.params.do_sample:
+            return sampling.logits_to_probs(logits, self.warpers)
+        return torch.softmax(logits.float(), dim=-1)
+
+    def _bridge_branch(self, path: list[int], eos: bool) -> list[int]:
+        """A branch's draft ids -> target ids (the same ids for one tokenizer; the text bridge otherwise)."""
+        if self.kind == "same-tokenizer":
+            return list(path)
+        eos_candidate = min(self.spec.target_eos) if eos and self.spec.target_eos else None
+        return self.sync.propose(path[:-1] if eos else path, eos_candidate)
 
     # ---------------------------------------------------------------- 5. commit
     def _resync(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:

@@ -85,6 +85,8 @@ class SpecConfig:
     min_mapped_mass: float = 0.5  # "auto" picks intersection when >= this share of the draft vocabulary maps
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
     compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
+    tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
+    max_tree_nodes: int = 64  # most target-token nodes one tree verification carries
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -97,6 +99,10 @@ class SpecConfig:
             raise XTokSpecError(f"compile must be True or False, got {self.compile!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
+        for name in ("tree_width", "max_tree_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise XTokSpecError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def expected_tokens(alpha: float, proposals: float) -> float:
@@ -118,11 +124,12 @@ class GenerationStats:
     bridge_seconds: float = 0.0
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
-    proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge")
+    proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge"),
+    # with " tree" appended for token trees
     stop_reason: str = ""  # see STOP_REASONS; set when generation ends
     cache: str = ""  # KV cache backends used, "target/draft" (e.g. "static/static")
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
-    proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals each cycle
+    proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals (tree nodes) each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
 
     @property

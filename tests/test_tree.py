@@ -1,0 +1,148 @@
+"""Token trees: the tree-masked forward and its cache compaction, the verifier against reference/tree.py on the
+same noise, and greedy losslessness for every tree width (the chi-square tests are in test_stats.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_greedy import HOSTILE_PROMPTS, NEW_TOKENS, check_prompts
+
+import reference.tree as ref
+from xtokspec import SpecConfig, XTokSpec, XTokSpecError
+from xtokspec.cache import ModelState
+from xtokspec.tree import Trie, verify_tree_greedy, verify_tree_sampled
+
+
+def make_trie(paths) -> Trie:
+    trie = Trie()
+    for path in paths:
+        trie.insert(path)
+    return trie
+
+
+def test_trie_merges_shared_prefixes_and_caps_depth_and_nodes():
+    trie = make_trie([[5, 6, 7], [5, 8], [9], [5, 6, 7]])
+    assert trie.tokens == [-1, 5, 6, 7, 8, 9]
+    assert trie.parents == [-1, 0, 1, 2, 1, 0]
+    assert trie.children[1] == [2, 4] and trie.depth == 3
+    capped = Trie()
+    capped.insert([1, 2, 3, 4], max_depth=2)
+    capped.insert([7, 8, 9], max_nodes=3)
+    assert capped.tokens == [-1, 1, 2, 7]
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "static"])
+def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend, ja_target):
+    """Row n of the tree forward equals a plain forward over the path to node n; after keep_path the cache
+    holds exactly the committed ids (the next forward equals a plain forward over them)."""
+    model, _ = ja_target
+    prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12], [5, 6, 13]])
+    with torch.inference_mode():
+        state = ModelState(model, prompt, backend, 40, tree_nodes=16)
+        state.forward(keep=1)
+        state.ids += [42, 43]  # two uncached ids before the tree
+        logits = state.forward_tree(trie.tokens, trie.parents)
+        assert logits.shape[0] == trie.size + 1
+        for node in range(trie.size + 1):
+            path = trie.path_tokens(trie.ancestors(node))
+            want = model(input_ids=torch.tensor([prompt + [42, 43] + path])).logits[0, -1]
+            torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=0)
+        path = trie.ancestors(trie.tokens.index(11))  # nodes 9 -> 10 -> 11: not the first nodes
+        state.keep_path(path, trie.tokens)
+        assert state.ids[-3:] == [9, 10, 11] and state.cached == len(state.ids)
+        state.ids.append(99)
+        got = state.forward(keep=1)[0]
+        torch.testing.assert_close(got, model(input_ids=torch.tensor([state.ids])).logits[0, -1], atol=1e-4, rtol=0)
+
+
+def random_case(seed: int, vocab: int = 6, nodes: int = 7):
+    rng = np.random.default_rng(seed)
+    tokens, parents = [-1], [-1]
+    while len(tokens) <= nodes:
+        parent = int(rng.integers(len(tokens)))
+        used = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
+        free = [t for t in range(vocab) if t not in used]
+        if free:
+            tokens.append(int(rng.choice(free)))
+            parents.append(parent)
+    probs = rng.dirichlet(np.full(vocab, 0.4), size=nodes + 1)
+    uniforms = rng.random((nodes + 1, vocab))
+    noise = rng.exponential(size=vocab)
+    return tokens, parents, probs, uniforms, noise
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize):
+    """xtokspec.tree and reference.tree make the same decisions from the same draws (2,000 random tries)."""
+    agree_paths = 0
+    for seed in range(2000):
+        tokens, parents, probs, uniforms, noise = random_case(seed)
+        trie = Trie()
+        for node in range(1, len(tokens)):
+            trie.tokens.append(tokens[node])
+            trie.parents.append(parents[node])
+            trie.depths.append(trie.depths[parents[node]] + 1)
+            trie.children.append([])
+            trie.children[parents[node]].append(node)
+        width = trie.max_children()
+        got = verify_tree_sampled(torch.tensor(probs, dtype=torch.float32), trie,
+                                  torch.tensor(uniforms[:, :width], dtype=torch.float32),
+                                  torch.tensor(noise, dtype=torch.float32),
+                                  renormalize=renormalize)
+        want = ref.tree_walk(tokens, parents, probs.astype(np.float32).astype(np.float64),
+                             uniforms[:, :width].astype(np.float32).astype(np.float64),
+                             noise.astype(np.float32).astype(np.float64), renormalize=renormalize)
+        assert got == want, (seed, got, want)
+        agree_paths += len(got[0]) > 0
+    assert agree_paths > 500  # the walk really descends in many cases
+
+
+def test_greedy_tree_follows_the_argmax_path():
+    trie = make_trie([[1, 2], [1, 3, 0], [2]])  # nodes: 1:(1) 2:(2 under 1) 3:(3 under 1) 4:(0 under 3) 5:(2)
+    logits = torch.full((trie.size + 1, 4), -1.0)
+    for node, best in {0: 1, 1: 3, 3: 0, 4: 2}.items():
+        logits[node, best] = 1.0
+    assert verify_tree_greedy(logits, trie) == ([1, 3, 4], 2)
+    logits[0] = torch.tensor([0.0, 0.0, 0.0, 5.0])  # root argmax 3: no child
+    assert verify_tree_greedy(logits, trie) == ([], 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft, width, backend", [("bridged", 2, "dynamic"), ("bridged", 4, "dynamic"),
+                                                   ("bridged", 8, "static"), ("same", 4, "dynamic"),
+                                                   ("same", 3, "static")])
+def test_greedy_tree_equals_target(draft, width, backend, ja_target, ja_draft_bpe, ja_draft_same,
+                                   heldout_prompts):
+    """Greedy token trees are lossless: the target's own generate, token for token (or a reported near-tie)."""
+    spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same,
+                    config=SpecConfig(tree_width=width, cache=backend))
+    result = spec.generate(heldout_prompts[0], max_new_tokens=16)
+    assert result.stats.proposal.endswith(" tree") and result.stats.cache.startswith(backend)
+    assert max(result.stats.proposal_lengths) > 1  # the tree carried several nodes
+    for line in check_prompts(spec, ja_target, heldout_prompts[:16] + HOSTILE_PROMPTS, NEW_TOKENS, {}):
+        print("near-tie:", line)
+
+
+@pytest.mark.slow
+def test_tree_keeps_going_to_the_end_of_the_context(ja_target, ja_draft_bpe):
+    """Near max_position_embeddings the tree is cut to fit, and generation stops for the context as the
+    target alone would."""
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(tree_width=4))
+    limit = ja_target[0].config.max_position_embeddings
+    prompt = "あ" * (limit - 8)
+    result = spec.generate(prompt, max_new_tokens=64)
+    assert len(spec.target.encode_prompt(prompt)) + len(result.token_ids) <= limit
+    assert result.stop_reason in ("context", "eos")
+
+
+def test_tree_settings_are_checked(bridged_spec):
+    with pytest.raises(XTokSpecError, match="tree_width must be an integer >= 1"):
+        SpecConfig(tree_width=0)
+    with pytest.raises(XTokSpecError, match="max_tree_nodes"):
+        SpecConfig(max_tree_nodes=True)
+    with pytest.raises(XTokSpecError, match="proposal='intersection' needs tree_width=1"):
+        bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, proposal="intersection", tree_width=4)
+    result = bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, tree_width=4, seed=0)
+    assert result.stats.proposal == "onehot tree"
