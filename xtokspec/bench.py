@@ -68,12 +68,18 @@ class Models:
     cross_label: str = "bridged"
     draft_cross_hf: tuple | None = None  # a private copy of draft_cross for transformers' universal mode
     extra_cross: dict = field(default_factory=dict)  # label -> (model, tokenizer): more drafts, greedy only
+    draft_cross_hf_sampled: tuple | None = None  # another copy, for the universal mode's sampling
 
     def __post_init__(self):
-        if self.draft_cross and self.draft_cross_hf is None:
-            import copy
+        import copy
 
+        # NOTE: transformers' universal sampler swaps the assistant's input embedding (and may prune its head)
+        # in place, once per tokenizer pair (it caches the mapping), and its greedy path then fails on that
+        # model ("Sizes of tensors must match" in GPT-NeoX's rotary), so greedy and sampling get a copy each.
+        if self.draft_cross and self.draft_cross_hf is None:
             self.draft_cross_hf = (copy.deepcopy(self.draft_cross[0]), self.draft_cross[1])
+        if self.draft_cross and self.draft_cross_hf_sampled is None:
+            self.draft_cross_hf_sampled = (copy.deepcopy(self.draft_cross[0]), self.draft_cross[1])
 
 
 def real_models_root() -> Path:
@@ -117,7 +123,7 @@ def sampling_kwargs(mode: str) -> dict:
 
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
-                  spec_static=None) -> dict:
+                  spec_static=None, tree_widths=()) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None)."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
@@ -152,13 +158,18 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
     if models.draft_cross:
         # NOTE: transformers' universal sampler replaces the assistant's embedding module in place, so it
         # gets its own copy of the draft (same weights) and cannot break the draft the others use.
-        systems["hf-universal"] = hf(models.draft_cross_hf or models.draft_cross, universal=True)
+        hf_copy = models.draft_cross_hf_sampled if kw["do_sample"] else models.draft_cross_hf
+        systems["hf-universal"] = hf(hf_copy or models.draft_cross, universal=True)
         if kw["do_sample"]:
             systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
+            for width in tree_widths:  # token trees (one-hot candidates)
+                systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
+            for width in tree_widths:
+                systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
             if "cross" in static:
                 systems[f"xtokspec-{models.cross_label}-static"] = ours(static["cross"])
             for label, (pair, spec) in (spec_extra or {}).items():
@@ -168,7 +179,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
-                  progress: bool = True) -> list[Run]:
+                  progress: bool = True, tree_widths: tuple[int, ...] = ()) -> list[Run]:
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
@@ -185,15 +196,19 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                    for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     counters = {"target": Counter(), "draft": Counter()}
     handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]
-    for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf, *models.extra_cross.values()):
+    for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf, models.draft_cross_hf_sampled,
+                 *models.extra_cross.values()):
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
-    total = sum(len(build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static)) for m in modes) * len(prompts)
+    def systems_for(mode):
+        return build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
+
+    total = sum(len(systems_for(m)) for m in modes) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     try:
         for mode in modes:
-            systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static)
+            systems = systems_for(mode)
             for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
                 fn(prompts[0], 8, 0)
             for p_index, prompt in enumerate(prompts):
@@ -323,10 +338,23 @@ PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
          ("xtokspec-bridged-gemma-static", "xtokspec-bridged-gemma")]
 
 
+def tree_pairs(names) -> list[tuple[str, str]]:
+    """Each token-tree system against the chains it competes with: the same draft's chains (greedy; one-hot and
+    intersection sampling) and the same-tokenizer chain."""
+    out = []
+    for name in names:
+        if "-tree" not in name:
+            continue
+        base = name.rsplit("-tree", 1)[0]
+        out += [(name, base), (name, base + "-intersection"), (name, base + "-onehot"), (name, "xtokspec-same")]
+    return out
+
+
 def comparisons(runs: list[Run]) -> list[dict]:
     out = []
+    names = sorted({r.system for r in runs})
     for mode in dict.fromkeys(r.mode for r in runs):
-        for a, b in PAIRS:
+        for a, b in PAIRS + tree_pairs(names):
             result = paired(runs, mode, a, b)
             if result:
                 out.append(result)
@@ -442,7 +470,8 @@ def main_bench(args: argparse.Namespace) -> int:
         prompts = [p for p in lines if p][: args.prompts]
     else:
         prompts = REAL_PROMPTS[: args.prompts]
-    runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress)
+    runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
+                         tree_widths=tuple(args.tree_widths))
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
@@ -460,6 +489,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
+    bench.add_argument("--tree-widths", type=int, nargs="*", default=[4], metavar="W",
+                       help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--report-only", action="store_true",
