@@ -163,6 +163,8 @@ class XTokSpec:
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
         self._token_map = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
+        self._custom_generate = None
+        self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
     # ---------------------------------------------------------------- public API
     def describe(self) -> str:
@@ -201,6 +203,41 @@ class XTokSpec:
         text = self._decode(token_ids)
         if text != shown:
             yield text[len(shown) :] if text.startswith(shown) else text
+
+    @property
+    def custom_generate(self):
+        """The decoding loop for transformers' generate on the target model (lossless, like `generate`):
+
+            out = large_model.generate(**inputs, custom_generate=spec.custom_generate, max_new_tokens=64,
+                                       streamer=streamer, do_sample=True, temperature=0.7, seed=0)
+
+        It honours max_new_tokens / max_length, EOS, stop_strings (pass tokenizer=), stopping criteria and a
+        streamer; xtokspec's own options (seed, proposal, num_draft_tokens, adaptive, tree_width) may be passed
+        to generate too. The statistics of the last call are in `spec.last_stats`. See xtokspec/hf.py."""
+        if self._custom_generate is None:
+            from . import hf
+
+            def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+                return hf.hf_generate(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      **kwargs)
+
+            hf.install(self.target_model, custom_generate)
+            self._custom_generate = custom_generate
+        return self._custom_generate
+
+    def draft_prompt_ids(self, target_ids: list[int]) -> list[int]:
+        """The draft's prompt for a prompt given as target ids: their text in the draft's own encoding."""
+        limit = getattr(self.target_model.config, "max_position_embeddings", None)
+        if limit and len(target_ids) >= limit:
+            raise XTokSpecError(
+                f"prompt is {len(target_ids)} target tokens, but the target's context is {limit} positions"
+            )
+        if self.same_vocab:
+            return list(target_ids)
+        text = self._decode(target_ids)
+        if not text:
+            raise XTokSpecError("the prompt ids stand for no text (only special tokens): give some text to continue")
+        return self.draft.encode_prompt(text)
 
     def _decode(self, token_ids: list[int]) -> str:
         # NOTE: no clean-up: it deletes spaces before punctuation, and the text must be the tokens' own
