@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import reference
-from xtokspec import sampling
+from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 10  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 8e-5
+NUM_TESTS = 12  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 6.7e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -174,12 +174,13 @@ def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length
     return law
 
 
-def sample_continuations(spec, setting, proposal, prompt, n=N_E2E):
+def sample_continuations(spec, setting, proposal, prompt, n=N_E2E, **extra):
     """n seeded generations -> (continuations, share of runs with a cycle that accepted >= 2 proposals)."""
     samples, deep = [], 0
     for seed in range(n):
+        options = dict(num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False) | extra
         result = spec.generate(prompt, max_new_tokens=LENGTH, do_sample=True, seed=seed, proposal=proposal,
-                               num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False, **setting)
+                               **options, **setting)
         samples.append(tuple(result.token_ids))
         deep += result.stats.max_accepted_in_a_cycle >= 2
     return samples, deep / n
@@ -314,6 +315,80 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
         )
         report.append(f"{flaw} {where}-position control p={control.pvalue:.3g}")
     print("; ".join(report))  # the figures fixtures/README.md quotes (pytest -s)
+
+
+# ---------------------------------------------------------------- C. token trees end to end
+# A tree of TREE_WIDTH candidates per depth, drafted TREE_DEPTH draft tokens deep, over the same three tokens:
+# the first cycle's tree holds up to 2 target levels, so a walk that accepts 2 nodes has applied the rule at
+# the root and at a node below it. The negative controls replace `tree.walk_sampled` (the function the loop
+# calls) by a mutant that accepts the j-th child with p(c_j) instead of p(c_j) / (1 - mass of the rejected
+# children) -- the missing renormalisation -- at the root only ("first") or below it only ("deep").
+# The renormalisation only matters at a node whose second (or later) child has target mass, so the prompts
+# are chosen by that effect in the first cycle's trie (tests/tools/tree_prompts.py), then checked at N=400:
+# "」のレイヤー…" deep control p=5e-95 (its root has little second-child mass: no first control);
+# "reiserfsck…" first 6e-8, deep 2e-12 (v2 fixtures).
+TREE_WIDTH, TREE_DEPTH = 4, 2
+TREE_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
+TREE_PROMPTS = {TREE_CASES[0]: "」のレイヤーを選んでそれだけを可視化します", TREE_CASES[1]: "reiserfsck はデバイス上の"}
+TREE_RUNS = {TREE_CASES[0]: 1000, TREE_CASES[1]: 1000}
+TREE_CONTROLS = {TREE_CASES[0]: ("deep",), TREE_CASES[1]: ("first", "deep")}
+
+
+def unnormalised_walk(where: str):
+    """WRONG: tree.walk_sampled without the renormalisation, at the root (FIRST) or below it (DEEP).
+
+    A mutant of tree.walk_sampled (the same loop, one line changed), patched in where the loop calls it."""
+
+    def flawed(trie, p_children, uniforms, renormalize=True):
+        node, path = 0, []
+        while True:
+            flaw = (node == 0) == (where == FIRST)
+            remaining, accepted = 1.0, None
+            for j, child in enumerate(trie.children[node]):
+                if uniforms[node][j] * (1.0 if flaw else remaining) < p_children[node][j]:
+                    accepted = child
+                    break
+                remaining -= p_children[node][j]
+            if accepted is None:
+                return path, node
+            path.append(accepted)
+            node = accepted
+
+    return flawed
+
+
+@pytest.mark.stats
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) for c in TREE_CASES], ids="-".join)
+def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
+    from xtokspec import SpecConfig, XTokSpec
+
+    backend, path, setting = case
+    base = same_spec if path == "same-tokenizer" else bridged_spec
+    spec = XTokSpec((base.target_model, base.target_tokenizer), (base.draft_model, base.draft_tokenizer),
+                    config=SpecConfig(cache=backend, tree_width=TREE_WIDTH))
+    params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
+    prompt = TREE_PROMPTS[case]
+    exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
+    runs = TREE_RUNS[case]
+    options = dict(num_draft_tokens=TREE_DEPTH, adaptive=False)
+    samples, deep_share = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+    stats = spec.generate(prompt, max_new_tokens=2, do_sample=True, seed=0, **options, **SETTINGS[setting]).stats
+    assert stats.proposal.endswith(" tree") and stats.cache == f"{backend}/{backend}"
+    assert deep_share >= MIN_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 tree nodes in one cycle"
+    result = reference.assert_samples_match(samples, exact, ALPHA, f"tree {path} {setting}")
+    report = [f"tree {backend} {path} {setting} (N={runs}): p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
+    for where in TREE_CONTROLS[case]:
+        with monkeypatch.context() as patch:
+            patch.setattr(tree, "walk_sampled", unnormalised_walk(where))
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+        counts, probs, _labels = reference.count_samples(wrong, exact)
+        control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+        assert control.rejected, (
+            f"negative control (no renormalisation, {where}) passed (p={control.pvalue:.3g}): no power there"
+        )
+        report.append(f"no-renormalisation {where} control p={control.pvalue:.3g}")
+    print("; ".join(report))
 
 
 def _statistical_test_count() -> int:
