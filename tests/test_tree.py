@@ -146,3 +146,14 @@ def test_tree_settings_are_checked(bridged_spec):
         bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, proposal="intersection", tree_width=4)
     result = bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, tree_width=4, seed=0)
     assert result.stats.proposal == "onehot tree"
+
+
+def test_tree_cost_benchmark_builds_tries_of_the_asked_size_and_fits_a_line():
+    from model_helpers import load_script
+
+    tree_cost = load_script("benchmarks/tree_cost.py")
+    for n in tree_cost.NODES:
+        shapes = tree_cost.tries(n)
+        assert {shape: t.size for shape, t in shapes.items()} == {"flat": n, "beam": n}
+    base, slope = tree_cost.fit({0: 9.0, 1: 7.5, 2: 8.0, 4: 9.0, 8: 11.0})
+    assert abs(base - 7.0) < 1e-9 and abs(slope - 0.5) < 1e-9
