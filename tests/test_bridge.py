@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 import vocabs
 from hypothesis import given, settings
@@ -220,3 +222,27 @@ def test_fragment_tokenizer_keeps_interleaved_added_token_ids():
     assert want == {"zz": 3, "<x>": 4, "yy": 5}
     fragment = fragment_tokenizer(backend)
     assert {name: fragment.token_to_id(name) for name in want} == want
+
+
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+def test_a_normalizing_draft_follows_text_its_normalizer_rewrites(form, sp):
+    """A draft tokenizer with a normalizer (Qwen: NFC; others NFKC) cannot align its tokens with text that the
+    normalizer rewrites ("か" + U+3099 -> "が"). The sync must go on: the draft sees its own normal form,
+    charged to the right committed bytes, and never raises."""
+    from tokenizers import normalizers
+
+    draft_tok = vocabs.bpe_tokenizer()
+    draft_tok.backend_tokenizer.normalizer = getattr(normalizers, form)()
+    draft = TokenCodec(draft_tok)
+    text = "\n\nか\u3099き\u3099東京ｶﾞ"
+    ids, ends = draft.encode_stream(text)
+    assert ends == sorted(ends) and ends[-1] == len(text.encode("utf-8"))
+    got = draft.bytes_of(ids).decode("utf-8")  # the same text up to normalization
+    assert unicodedata.normalize(form, got) == unicodedata.normalize(form, text) and got != text
+    target = sp
+    sync = TextSync(target, draft)
+    keep, extra = sync.commit(target.encode_fragment(text), [])
+    assert keep == 0 and extra == ids and sync.pending == b""
+    more = "が東"
+    keep, extra = sync.commit(target.encode_fragment(more), draft.encode_fragment(more))
+    assert sync.synced == len((text + more).encode("utf-8"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import unicodedata
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +139,8 @@ class TokenCodec:
         self.name = name
         self.vocab_size = max(vocab_size or 0, len(tokenizer))
         self.kind = self._kind(backend)
+        # Unicode normal forms the tokenizer's normalizer applies (Qwen: NFC): its tokens stand for that form
+        self.normal_forms = [t for t in _component_types(_state(backend.normalizer)) if t in ("NFC", "NFKC", "NFD", "NFKD")]
         self.special_ids = self._special_ids(tokenizer)
         self.token_bytes = self._token_bytes_table()  # list[bytes]; b"" for special and unused ids
         self.byte_ids = {tb[0]: i for i, tb in reversed(list(enumerate(self.token_bytes))) if len(tb) == 1}
@@ -187,7 +190,10 @@ class TokenCodec:
         for probe in _PROBES:
             ids = self.encode_fragment(probe)
             got = self.bytes_of(ids)
-            if got != probe.encode("utf-8"):
+            normal = probe
+            for form in self.normal_forms:
+                normal = unicodedata.normalize(form, normal)
+            if got not in (probe.encode("utf-8"), normal.encode("utf-8")):
                 raise XTokSpecError(
                     f"{self.name}: cannot map its tokens to text (tokenizer kind {self.kind!r}): fragment "
                     f"{probe!r} encodes to {ids} which stand for {got!r}; xtokspec supports byte-level BPE and "
@@ -223,7 +229,11 @@ class TokenCodec:
         """Fragment ids of `text` and, per id, the end offset (in bytes of `text`) of what it covers.
 
         Ids that do not stand for their text (an <unk> for a character the tokenizer cannot encode) are
-        charged the text their character offsets cover, so the stream still lines up with `text`.
+        charged the text their character offsets cover, so the stream still lines up with `text`. Where even
+        the offsets do not line up (a normalizer that merges characters: NFC turns "か" + U+3099 into "が"),
+        the text is encoded one character with its combining marks at a time, each unit's ids charged to its
+        end: the draft then sees its own normal form of the text, which may cost acceptance, never the
+        generation.
         """
         enc = self._fragment.encode(text, add_special_tokens=False)
         data = text.encode("utf-8")
@@ -239,9 +249,26 @@ class TokenCodec:
         # Fallback through character offsets (an id covering no new characters covers nothing).
         char_end = [len(text[:e].encode("utf-8")) for _, e in enc.offsets]
         ends = [max(char_end[: n + 1]) for n in range(len(char_end))]
-        if ends and ends[-1] != len(data):
-            raise XTokSpecError(f"{self.name}: cannot align the encoding of {text!r} with the text")
-        return enc.ids, ends
+        if not ends or ends[-1] == len(data):
+            return enc.ids, ends
+        ids, ends, pos = [], [], 0
+        for unit in _units(text):
+            unit_ids = self._fragment.encode(unit, add_special_tokens=False).ids
+            pos += len(unit.encode("utf-8"))
+            ids += unit_ids
+            ends += [pos] * len(unit_ids)
+        return ids, ends
+
+
+def _units(text: str) -> list[str]:
+    """`text` cut before every character that is not a combining mark (a base with its marks stays whole)."""
+    units: list[str] = []
+    for char in text:
+        if units and unicodedata.category(char).startswith("M"):
+            units[-1] += char
+        else:
+            units.append(char)
+    return units
 
 
 @dataclass(frozen=True)
