@@ -246,3 +246,23 @@ def test_a_normalizing_draft_follows_text_its_normalizer_rewrites(form, sp):
     more = "が東"
     keep, extra = sync.commit(target.encode_fragment(more), draft.encode_fragment(more))
     assert sync.synced == len((text + more).encode("utf-8"))
+
+
+def test_added_whitespace_tokens_written_with_the_metaspace_stand_for_spaces():
+    """Gemma-3's hub tokenizer.json adds the whitespace runs "▁▁", "▁▁▁", ... as (non-special) added tokens on
+    top of a Replace(" ", "▁") normalizer; they stand for spaces, not for the character "▁"."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{b:02X}>", -20.0) for b in range(256)]
+    vocab += [(p, -2.0) for p in ["▁", "a", "b", "▁a", "東", "京", "と", "都", "改", "行", "\n", "\t", "c", "."]]
+    vocab += [("▁" * n, -1.0) for n in (2, 3, 4)]  # in the model's vocabulary and declared added tokens, as in Gemma-3
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_tokens([AddedToken("▁" * n, normalized=False) for n in (2, 3, 4)])
+    codec = TokenCodec(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"), name="gemma-like")
+    ids, ends = codec.encode_stream("a  b\t  c.    東京")
+    assert codec.bytes_of(ids) == "a  b\t  c.    東京".encode()
+    assert any(codec.token_bytes[i] == b"  " for i in ids)  # an added whitespace run was used, as two spaces

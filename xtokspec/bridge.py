@@ -174,8 +174,10 @@ class TokenCodec:
         for i, piece in enumerate(pieces):
             if i in self.special_ids or piece is None:
                 continue
-            if i in added:  # added tokens are literal text in every tokenizer kind
-                table[i] = added[i].encode("utf-8")
+            if i in added:  # added tokens are literal text, with SentencePiece's "▁" for a space (Gemma-3's
+                # whitespace runs "▁▁", "▁▁▁", ... are added tokens)
+                text = added[i].replace("\u2581", " ") if self.kind == "sentencepiece" else added[i]
+                table[i] = text.encode("utf-8")
             elif byte_decoder is not None:
                 table[i] = bytes(byte_decoder.get(c, 0) for c in piece)
             elif self.kind == "sentencepiece" and (m := _BYTE_PIECE.match(piece)):
