@@ -179,7 +179,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
-                  progress: bool = True, tree_widths: tuple[int, ...] = ()) -> list[Run]:
+                  progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = ()) -> list[Run]:
+    """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always)."""
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
@@ -202,7 +203,15 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
     def systems_for(mode):
-        return build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
+        systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
+        if only:
+            unknown = set(only) - set(systems) - set().union(*(build_systems(
+                models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths) for m in modes))
+            if unknown:
+                raise XTokSpecError(f"--systems: no system named {sorted(unknown)}; this preset has "
+                                    f"{sorted(systems)}")
+            systems = {name: fn for name, fn in systems.items() if name in only or name == "target"}
+        return systems
 
     total = sum(len(systems_for(m)) for m in modes) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
@@ -471,7 +480,7 @@ def main_bench(args: argparse.Namespace) -> int:
     else:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
-                         tree_widths=tuple(args.tree_widths))
+                         tree_widths=tuple(args.tree_widths), only=tuple(args.systems))
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
@@ -491,6 +500,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[4], metavar="W",
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
+    bench.add_argument("--systems", nargs="*", default=[], metavar="NAME",
+                       help="run only these systems (and the target alone); default: all")
     bench.add_argument("--out", default="benchmarks")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--report-only", action="store_true",
