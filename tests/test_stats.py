@@ -139,16 +139,17 @@ def test_mapped_proposal_first_token():
 N_E2E = 2000
 LENGTH = 3
 NUM_DRAFT_TOKENS = 3
-MIN_DEEP_SHARE = 0.10  # the chosen prompts measure 0.13-0.57 (v2 fixtures)
+MIN_DEEP_SHARE = 0.10  # the chosen prompts measure 0.14-0.50 (v2.1 fixtures)
 SETTINGS = {"t1.0-k3": dict(temperature=1.0, top_k=3, top_p=1.0), "t0.7-k6-p0.9": dict(temperature=0.7, top_k=6, top_p=0.9)}
 # Held-out prompts (fixtures/data/prompts.txt) where the path reaches its second proposal often enough and
-# where both controls fail at N_E2E: chosen with tests/tools/deep_prompts.py (--power) on the v2 fixtures.
+# where both controls fail at N_E2E: chosen with tests/tools/deep_prompts.py (--power), re-chosen on the v2.1
+# fixtures for three cases. On v2.1 no prompt takes the one-hot path to its second proposal in >= 10% of runs
+# at T=0.7 (the best: 6%), so both one-hot cases run at T=1.0, top-k 3.
 PROMPTS = {
-    ("same-tokenizer", "t1.0-k3"): "Linux 2.0 で、 struct arp",
+    ("same-tokenizer", "t1.0-k3"): "Shift キーを押しながら",
     ("same-tokenizer", "t0.7-k6-p0.9"): "Linux 2.0 で、 struct arp",
     ("onehot", "t1.0-k3"): "Linux 2.0 で、 struct arp",
-    ("onehot", "t0.7-k6-p0.9"): "Linux 2.0 で、 struct arp",
-    ("intersection", "t1.0-k3"): "デバイス ID は、メジャー ID とマイナー",
+    ("intersection", "t1.0-k3"): "Linux 2.0 で、 struct arp",
     ("intersection", "t0.7-k6-p0.9"): "has_journal ( -",
 }
 FIRST, DEEP = "first", "deep"  # which proposals of a cycle a control corrupts: the first, or the second on
@@ -255,11 +256,13 @@ FLAWS = {"q^2": squared_proposal, "residual": residual_ignores_proposal, "half-m
 # top-k/top-p the draft is peaked, q^2 barely differs from q there, so that case uses the residual flaw.
 CASES = [
     ("dynamic", "same-tokenizer", "t1.0-k3"), ("compile", "same-tokenizer", "t0.7-k6-p0.9"),
-    ("dynamic", "onehot", "t1.0-k3"), ("static", "onehot", "t0.7-k6-p0.9"),
+    ("dynamic", "onehot", "t1.0-k3"), ("static", "onehot", "t1.0-k3"),
     ("static", "intersection", "t1.0-k3"), ("dynamic", "intersection", "t0.7-k6-p0.9"),
 ]
-# Runs per case: N_E2E, or 1,000 where every control rejected by a wide margin at 2,000 (measured on the v2
-# fixtures: deep 1.5e-36, 5.7e-17 and 1.7e-45); the rest keep 2,000 (their weakest control: 1.6e-5).
+# Runs per case: N_E2E, or 1,000 where every control rejected by a wide margin (v2.1 fixtures, at 1,000: deep
+# 1.3e-9, 2.1e-53 and 1.2e-17); the rest keep 2,000. The weakest control is the one-hot deep one: the residual
+# flaw at the second proposal gives p = 4.6e-5 on both one-hot cases (the same seeds draw the same samples on
+# both cache backends), under ALPHA = 6.7e-5 but not by much; seeds are fixed, so it passes every time.
 CASE_RUNS = {CASES[1]: 1000, CASES[4]: 1000, CASES[5]: 1000}
 # The cases tox's second stats env runs (tox -e stats2), so that the two envs share the machine's 2 cores.
 SECOND_ENV = {CASES[1], CASES[3], CASES[4], CASES[5]}
@@ -324,14 +327,15 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 # calls) by a mutant that accepts the j-th child with p(c_j) instead of p(c_j) / (1 - mass of the rejected
 # children) -- the missing renormalisation -- at the root only ("first") or below it only ("deep").
 # The renormalisation only matters at a node whose second (or later) child has target mass, so the prompts
-# are chosen by that effect in the first cycle's trie (tests/tools/tree_prompts.py), then checked at N=400:
-# "」のレイヤー…" deep control p=5e-95 (its root has little second-child mass: no first control);
-# "reiserfsck…" first 6e-8, deep 2e-12 (v2 fixtures).
+# are chosen by that effect in the first cycle's trie (tests/tools/tree_prompts.py), then checked at N=400 on
+# the v2.1 fixtures: "指定された…" first-level control p=1e-11 (deep share 0.23); "(8) はユーザ" deep control
+# p=5e-18 (deep share 0.41). No held-out prompt has both effects large for one draft, so each case carries the
+# control its prompt has power for; the walk below the root is the same code for both paths.
 TREE_WIDTH, TREE_DEPTH = 4, 2
 TREE_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
-TREE_PROMPTS = {TREE_CASES[0]: "」のレイヤーを選んでそれだけを可視化します", TREE_CASES[1]: "reiserfsck はデバイス上の"}
+TREE_PROMPTS = {TREE_CASES[0]: "指定されたデバイス上に作成する。 ext", TREE_CASES[1]: "(8) はユーザ"}
 TREE_RUNS = {TREE_CASES[0]: 1000, TREE_CASES[1]: 1000}
-TREE_CONTROLS = {TREE_CASES[0]: ("deep",), TREE_CASES[1]: ("first", "deep")}
+TREE_CONTROLS = {TREE_CASES[0]: ("first",), TREE_CASES[1]: ("deep",)}
 
 
 def unnormalised_walk(where: str):

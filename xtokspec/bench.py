@@ -257,6 +257,10 @@ def theoretical_speedup(stats: dict, target_step: float) -> float | None:
     """
     if not stats or not stats["target_forwards"] or not stats["drafted"]:
         return None
+    if stats.get("proposal", "").endswith(" tree"):
+        # NOTE: eq. 1 describes a chain; a tree's proposals are nodes, not a row, so the figure would be
+        # meaningless (tokens per target call is the tree's measure)
+        return None
     cycles = stats["target_forwards"]
     a = min(stats["token_acceptance"], 0.999)
     lengths = stats.get("proposal_lengths") or [stats["drafted"] / cycles]
