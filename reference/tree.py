@@ -141,3 +141,18 @@ def extend_law(law: dict[tuple[int, ...], float], prob_fn: Callable[[tuple[int, 
 def target_law(prob_fn: Callable[[tuple[int, ...]], np.ndarray], length: int) -> dict[tuple[int, ...], float]:
     """The target's own law of `length` tokens after the root."""
     return extend_law({(): 1.0}, prob_fn, length)
+
+
+def random_trie(rng: np.random.Generator, vocab_size: int, nodes: int,
+                max_children: int | None = None) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a random trie of `nodes` nodes whose siblings hold distinct tokens (for tests)."""
+    tokens, parents = [-1], [-1]
+    while len(tokens) <= nodes:
+        parent = int(rng.integers(len(tokens)))
+        used = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
+        free = [t for t in range(vocab_size) if t not in used]
+        if not free or (max_children is not None and len(used) >= max_children):
+            continue
+        tokens.append(int(rng.choice(free)))
+        parents.append(parent)
+    return tokens, parents

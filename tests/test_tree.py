@@ -59,14 +59,7 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend,
 
 def random_case(seed: int, vocab: int = 6, nodes: int = 7):
     rng = np.random.default_rng(seed)
-    tokens, parents = [-1], [-1]
-    while len(tokens) <= nodes:
-        parent = int(rng.integers(len(tokens)))
-        used = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
-        free = [t for t in range(vocab) if t not in used]
-        if free:
-            tokens.append(int(rng.choice(free)))
-            parents.append(parent)
+    tokens, parents = ref.random_trie(rng, vocab, nodes)
     probs = rng.dirichlet(np.full(vocab, 0.4), size=nodes + 1)
     uniforms = rng.random((nodes + 1, vocab))
     noise = rng.exponential(size=vocab)

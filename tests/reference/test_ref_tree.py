@@ -17,6 +17,7 @@ from reference.tree import (
     tree_law,
     tree_walk,
 )
+from reference.tree import random_trie as reference_random_trie
 
 
 def peaked(rng, vocab_size, concentration=0.5):
@@ -37,18 +38,7 @@ def random_lm(seed, vocab_size):
 
 
 def random_trie(seed, vocab_size, nodes, max_children=3):
-    """tokens, parents of a random trie whose siblings hold distinct tokens."""
-    rng = np.random.default_rng(seed)
-    tokens, parents = [-1], [-1]
-    while len(tokens) <= nodes:
-        parent = int(rng.integers(len(tokens)))
-        used = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
-        free = [t for t in range(vocab_size) if t not in used]
-        if len(used) >= max_children or not free:
-            continue
-        tokens.append(int(rng.choice(free)))
-        parents.append(parent)
-    return tokens, parents
+    return reference_random_trie(np.random.default_rng(seed), vocab_size, nodes, max_children)
 
 
 @pytest.mark.parametrize("seed", range(6))
