@@ -150,3 +150,22 @@ def test_tree_cost_benchmark_builds_tries_of_the_asked_size_and_fits_a_line():
         assert {shape: t.size for shape, t in shapes.items()} == {"flat": n, "beam": n}
     base, slope = tree_cost.fit({0: 9.0, 1: 7.5, 2: 8.0, 4: 9.0, 8: 11.0})
     assert abs(base - 7.0) < 1e-9 and abs(slope - 0.5) < 1e-9
+
+
+def test_the_draft_length_policy_models_a_trees_first_level_apart():
+    """A tree whose first level is always accepted and whose deeper levels never are should not be drafted
+    deep: the policy keeps the two acceptance rates apart (a chain's single rate would call it 50%)."""
+    from xtokspec.decode import DraftLengthPolicy
+
+    policy = DraftLengthPolicy(SpecConfig(tree_width=4, num_draft_tokens=4))
+    for _ in range(30):  # K draft steps of 1 ms; verifying 4 nodes per step costs 10 ms + 0.5 ms per node
+        k = policy.k
+        nodes = 4 * k
+        policy.update(k, k, 1, 0.001 * k, 0.010 + 0.0005 * nodes, nodes=nodes, rejected=k > 1)
+        policy.k = (policy.cycles % 4) + 1  # try every depth, as the measurements would come
+    a1 = policy.first_successes / (policy.first_successes + policy.first_failures)
+    a = policy.successes / (policy.successes + policy.failures)
+    assert a1 > 0.9 and a < 0.1
+    assert policy.next_k() == 1
+    chain = DraftLengthPolicy(SpecConfig(num_draft_tokens=4))
+    assert not chain.tree
