@@ -202,22 +202,18 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
-    def systems_for(mode):
-        systems = build_systems(models, mode, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
-        if only:
-            unknown = set(only) - set(systems) - set().union(*(build_systems(
-                models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths) for m in modes))
-            if unknown:
-                raise XTokSpecError(f"--systems: no system named {sorted(unknown)}; this preset has "
-                                    f"{sorted(systems)}")
-            systems = {name: fn for name, fn in systems.items() if name in only or name == "target"}
-        return systems
-
-    total = sum(len(systems_for(m)) for m in modes) * len(prompts)
+    every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
+             for m in modes}
+    known = set().union(*every.values())
+    if set(only) - known:
+        raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
+    chosen = {m: {name: fn for name, fn in systems.items() if not only or name in only or name == "target"}
+              for m, systems in every.items()}
+    total = sum(map(len, chosen.values())) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     try:
         for mode in modes:
-            systems = systems_for(mode)
+            systems = chosen[mode]
             for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
                 fn(prompts[0], 8, 0)
             for p_index, prompt in enumerate(prompts):

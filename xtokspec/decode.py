@@ -398,39 +398,40 @@ class _Run:
         while produced < max_new_tokens:
             remaining = max_new_tokens - produced
             k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
-            if self.config.tree_width > 1:
-                new_ids = self._tree_cycle(target, draft, k, remaining)
-                produced += len(new_ids)
-                if self._finish(new_ids, produced, max_new_tokens, target, start):
-                    yield new_ids
-                    return
-                yield new_ids
-                continue
-            t0 = time.perf_counter()
-            drafted, draft_rows, eos_drafted = self._draft(draft, max(k, 0))
-            t1 = time.perf_counter()
-            proposals, proposal_probs = self._bridge(drafted, draft_rows, eos_drafted)
-            proposals = proposals[: max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))]
-            if proposal_probs is not None:
-                proposal_probs = proposal_probs[: len(proposals)]
-            t2 = time.perf_counter()
-            num_accepted, next_token = self._verify(target, proposals, proposal_probs)
-            t3 = time.perf_counter()
-            new_ids = proposals[:num_accepted] + [next_token]
-            for n, token in enumerate(new_ids):
-                if token in spec.target_eos:
-                    new_ids = new_ids[: n + 1]
-                    break
-            new_ids = new_ids[:remaining]
-            target.truncate(len(target.ids) - len(proposals) + num_accepted)
-            target.ids.append(next_token)
-            self._resync(draft, drafted, new_ids)
-            t4 = time.perf_counter()
+            cycle = self._tree_cycle if self.config.tree_width > 1 else self._chain_cycle
+            new_ids = cycle(target, draft, k, remaining)
             produced += len(new_ids)
-            self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
+            stop = self._finish(new_ids, produced, max_new_tokens, target, start)  # stats complete before the yield
             yield new_ids
-            if self._finish(new_ids, produced, max_new_tokens, target, start):
+            if stop:
                 return
+
+    def _chain_cycle(self, target: ModelState, draft: ModelState, k: int, remaining: int) -> list[int]:
+        """Steps 1-5 for a chain of K drafted tokens -> the committed target ids."""
+        t0 = time.perf_counter()
+        drafted, draft_rows, eos_drafted = self._draft(draft, max(k, 0))
+        t1 = time.perf_counter()
+        proposals, proposal_probs = self._bridge(drafted, draft_rows, eos_drafted)
+        proposals = proposals[: max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))]
+        if proposal_probs is not None:
+            proposal_probs = proposal_probs[: len(proposals)]
+        t2 = time.perf_counter()
+        num_accepted, next_token = self._verify(target, proposals, proposal_probs)
+        t3 = time.perf_counter()
+        new_ids = self._committed(proposals[:num_accepted] + [next_token], remaining)
+        target.truncate(len(target.ids) - len(proposals) + num_accepted)
+        target.ids.append(next_token)
+        self._resync(draft, drafted, new_ids)
+        t4 = time.perf_counter()
+        self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
+        return new_ids
+
+    def _committed(self, new_ids: list[int], remaining: int) -> list[int]:
+        """A cycle's accepted tokens plus its next token, cut after the first EOS and at `remaining`."""
+        for n, token in enumerate(new_ids):
+            if token in self.spec.target_eos:
+                return new_ids[: min(n + 1, remaining)]
+        return new_ids[:remaining]
 
     def _finish(self, new_ids, produced, max_new_tokens, target, start) -> bool:
         """Record the wall time and why generation stops (if it does) -> whether it stops."""
@@ -573,12 +574,7 @@ class _Run:
         t3 = time.perf_counter()
         target.keep_path(path, trie.tokens)
         target.ids.append(next_token)
-        new_ids = trie.path_tokens(path) + [next_token]
-        for n, token in enumerate(new_ids):
-            if token in self.spec.target_eos:
-                new_ids = new_ids[: n + 1]
-                break
-        new_ids = new_ids[:remaining]
+        new_ids = self._committed(trie.path_tokens(path) + [next_token], remaining)
         self._resync(draft, [], new_ids)  # NOTE: the branches lived in their own cache; re-encode the new text
         t4 = time.perf_counter()
         rejected = bool(trie.children[path[-1] if path else 0])
