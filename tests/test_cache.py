@@ -49,24 +49,55 @@ def test_forward_after_full_rollback_recomputes_the_last_position(sp_tokenizer, 
     torch.testing.assert_close(got, fresh_logits(model, [1, 5, 6, 7]), rtol=1e-5, atol=1e-5)
 
 
-def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer):
-    """Pins what the static backend relies on in the installed transformers: StaticLayer writes at
-    cumulative_length + arange(T) into buffers that a rollback leaves in place."""
+@pytest.mark.parametrize("prefix", [True, False], ids=["eager-prefix", "whole-buffer"])
+def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer, prefix):
+    """Pins what the static backend relies on: both layer kinds write at their length (transformers' StaticLayer,
+    which compiled steps use: cumulative_length + arange(T); xtokspec's eager prefix layer: a Python int) into
+    buffers that a rollback leaves in place, and the prefix layer attends over the written positions only."""
+    from xtokspec.cache import _StaticKV
+
     model = tiny_llama(sp_tokenizer, seed=5)
     state = ModelState(model, [1, 5, 6, 7, 8, 9], "static", capacity=16)
+    state.kv = _StaticKV(model, 16, prefix=prefix)
+
+    def length(layer):
+        return layer.length if prefix else int(layer.cumulative_length)
+
     with torch.inference_mode():
         state.forward(keep=1)
         layer = state.kv.cache.layers[0]
         keys = layer.keys
         address = keys.data_ptr()
-        assert keys.shape[-2] == 16 and int(layer.cumulative_length) == 6
+        assert keys.shape[-2] == 16 and length(layer) == 6
+        assert layer.get_mask_sizes(2) == ((8, 0) if prefix else (16, 0))
         state.truncate(3)
-        assert int(layer.cumulative_length) == 3 and layer.keys.data_ptr() == address
+        assert length(layer) == 3 and layer.keys.data_ptr() == address
         stale = keys[0, 0, 3:6].clone()
         state.ids += [42]
         state.forward(keep=1)
-        assert int(layer.cumulative_length) == 4
+        assert length(layer) == 4
         assert not torch.equal(keys[0, 0, 3], stale[0]) and torch.equal(keys[0, 0, 4:6], stale[1:])
+
+
+def test_eager_static_logits_equal_dynamic(sp_tokenizer):
+    """The prefix layer (no mask for one-token steps, a shorter one otherwise) computes what the dynamic cache does,
+    through a prefill, one-token steps, a rollback and a multi-token forward."""
+    from xtokspec.cache import _PrefixStaticLayer
+
+    model = tiny_llama(sp_tokenizer, seed=8)
+    states = [ModelState(model, [1, 5, 6, 7, 8, 9], backend, capacity=32) for backend in ("dynamic", "static")]
+    with torch.inference_mode():
+        for script in ([], [11], [12], "rollback", [13, 14, 15], [16]):
+            out = []
+            for state in states:
+                if script == "rollback":
+                    state.truncate(len(state.ids) - 2)
+                    continue
+                state.ids += script
+                out.append(state.forward(keep=len(script) or 1))
+            if out:
+                torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+    assert all(isinstance(layer, _PrefixStaticLayer) for layer in states[1].kv.cache.layers)
 
 
 def test_static_cache_refuses_to_overflow(sp_tokenizer):
