@@ -26,7 +26,10 @@ extended by sampling the target after it to any fixed length L, equals the targe
   is fresh at each node, so the steps compose.
 
 The candidates may be chosen in any way that does not look at the target's randomness (u, noise): the
-proof never uses how they were chosen. Without the renormalisation (accepting c_j with probability p(c_j)),
+proof never uses how they were chosen. That includes which drafted nodes are verified at all: xtokspec cuts
+each drafted trie to the nodes worth their verification cost (their draft probabilities, and costs and
+acceptance measured in earlier cycles), before this cycle's u and noise are drawn; any such cut is a trie, and
+the theorem holds for every trie. Without the renormalisation (accepting c_j with probability p(c_j)),
 later children are under-accepted and the law is wrong: ``renormalize=False`` is the negative control.
 
 Randomness is explicit so the torch implementation can be replayed: ``uniforms`` (N+1, W) with row n, column

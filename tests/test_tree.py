@@ -32,6 +32,94 @@ def test_trie_merges_shared_prefixes_and_caps_depth_and_nodes():
     assert capped.tokens == [-1, 1, 2, 7]
 
 
+def test_trie_values_take_the_likeliest_path_and_never_increase_downwards():
+    trie = Trie()
+    trie.insert([5, 6, 7], values=[0.6, 0.3, 0.1])
+    trie.insert([5, 8], values=[0.2, 0.15])  # 5 keeps 0.6 (the larger)
+    trie.insert([9], values=[0.3])
+    trie.insert([5, 6, 7], values=[0.5, 0.4, 0.35])  # raises 6 and 7 (not 5)
+    assert trie.values == [1.0, 0.6, 0.4, 0.35, 0.15, 0.3]
+    trie.insert([9, 4], values=[0.1, 0.9])  # a value above its parent's is cut to it
+    assert trie.values[-1] == 0.3
+    assert trie.ranked() == [1, 2, 3, 5, 6, 4]  # by value; the tie 0.3 / 0.3 goes to the parent's number first
+
+
+def test_pruned_trie_keeps_the_most_valuable_nodes_with_their_parents():
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        tokens, parents = ref.random_trie(rng, vocab_size=5, nodes=int(rng.integers(1, 25)))
+        trie = Trie()
+        for n in range(1, len(tokens)):  # insert each node's path with random values that never increase
+            path = []
+            a = n
+            while a > 0:
+                path.append(a)
+                a = parents[a]
+            path.reverse()
+            vals = np.minimum.accumulate(rng.choice([0.1, 0.2, 0.5, 0.9], size=len(path)))  # ties on purpose
+            trie.insert([tokens[a] for a in path], values=vals.tolist())
+        keep = int(rng.integers(1, trie.size + 1))
+        small = trie.pruned(keep)
+        assert small.size == keep
+        expected = sorted(trie.values[1:], reverse=True)[:keep]
+        assert sorted(small.values[1:], reverse=True) == expected
+        kept_paths = {tuple(small.path_tokens(small.ancestors(n))) for n in range(1, small.size + 1)}
+        all_paths = {tuple(trie.path_tokens(trie.ancestors(n))): n for n in range(1, trie.size + 1)}
+        for path in kept_paths:  # every kept node is a node of the trie, with its value, and its parent is kept
+            assert path in all_paths and (len(path) == 1 or path[:-1] in kept_paths)
+        for n in range(1, small.size + 1):
+            assert small.parents[n] < n and small.depths[n] == small.depths[small.parents[n]] + 1
+            assert small.values[n] == trie.values[all_paths[tuple(small.path_tokens(small.ancestors(n)))]]
+        for kids in small.children:  # siblings in their original order
+            original = [all_paths[tuple(small.path_tokens(small.ancestors(c)))] for c in kids]
+            assert original == sorted(original)
+    assert trie.pruned(trie.size) is trie
+
+
+def test_the_tree_budget_maximises_expected_tokens_per_second():
+    """The policy verifies the n most valuable nodes that maximise (1 + r * sum of values) / (spent + verify(n)),
+    with verify(n) its fitted cost line and r the measured ratio of accepted to predicted nodes."""
+    from xtokspec.decode import DraftLengthPolicy
+
+    policy = DraftLengthPolicy(SpecConfig(tree_width=4))
+    values = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
+    assert policy.tree_nodes(values, 0.01) == len(values)  # nothing measured yet: all
+    for n in (2, 4, 8, 16, 6):  # verification costs 10 ms + 2 ms per node
+        policy.update(2, 2, 1, 0.002, 0.010 + 0.002 * n, nodes=n, rejected=True)
+    for _ in range(40):
+        policy.calibrate(2.0, 1)  # accepted half the predicted nodes
+
+    def brute(r, spent):
+        rates = [(1 + r * sum(values[:n])) / (spent + 0.010 + 0.002 * n) for n in range(1, len(values) + 1)]
+        return 1 + int(np.argmax(rates))
+
+    r = policy.realised / policy.predicted
+    assert abs(r - 0.5) < 0.02
+    assert policy.tree_nodes(values, 0.004) == brute(r, 0.004)
+    assert 1 < policy.tree_nodes(values, 0.004) < len(values)
+    assert policy.tree_nodes(values, 1.0) == len(values)  # a slow draft: every node is worth its 2 ms
+    unadaptive = DraftLengthPolicy(SpecConfig(tree_width=4, adaptive=False))
+    unadaptive.verify, unadaptive.cycles = policy.verify, policy.cycles
+    assert unadaptive.tree_nodes(values, 0.004) == len(values)
+
+
+@pytest.mark.parametrize("node_cost", [0.0, 1.0], ids=["free-nodes", "costly-nodes"])
+def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_prompts, monkeypatch):
+    """Whatever the budget keeps, greedy output is the target's own: nodes that cost nothing are all
+    verified; nodes that cost a second each are cut to one per cycle."""
+    from xtokspec.decode import DraftLengthPolicy
+
+    monkeypatch.setattr(DraftLengthPolicy, "_verify_cost", lambda self, m: 0.01 + node_cost * m)
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(tree_width=4))
+    for line in check_prompts(spec, ja_target, heldout_prompts[:4], 24, {}):
+        print("near-tie:", line)
+    stats = spec.generate(heldout_prompts[0], max_new_tokens=24).stats
+    if node_cost:
+        assert stats.pruned_nodes > 0 and set(stats.proposal_lengths[3:]) == {1}
+    else:
+        assert stats.pruned_nodes == 0 and max(stats.proposal_lengths) > 1
+
+
 @pytest.mark.parametrize("backend", ["dynamic", "static"])
 def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend, ja_target):
     """Row n of the tree forward equals a plain forward over the path to node n; after keep_path the cache

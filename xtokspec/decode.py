@@ -15,7 +15,9 @@ character.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import time
 import warnings
@@ -97,6 +99,7 @@ class DraftLengthPolicy:
         self.proposals_per_draft = 1.0  # depth (proposals in a row) per draft step
         self.nodes_per_draft = 1.0  # tokens verified per draft step
         self.cycles = 0
+        self.predicted, self.realised = 1.0, 1.0  # a tree's node values vs accepted nodes (decayed sums)
 
     def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float,
                nodes: int | None = None, rejected: bool | None = None) -> None:
@@ -128,6 +131,29 @@ class DraftLengthPolicy:
         var = smm / n - (sm / n) ** 2
         slope = max(0.0, (smt / n - (sm / n) * (st / n)) / var) if var > 1e-9 else 0.0
         return st / n + slope * (m - sm / n)
+
+    def calibrate(self, predicted: float, accepted: int) -> None:
+        """One tree cycle: the sum of its verified nodes' values (their expected number of accepted nodes, if
+        the draft's probabilities were the acceptance chances) and the nodes it accepted."""
+        self.predicted = self.decay * self.predicted + predicted
+        self.realised = self.decay * self.realised + accepted
+
+    def tree_nodes(self, values: list[float], spent_s: float) -> int:
+        """How many of a drafted trie's nodes to verify, given their values largest first and the seconds this
+        cycle has already spent: the n that maximises expected tokens per second,
+        (1 + r * (v_1 + ... + v_n)) / (spent + verify(n)), with r the measured ratio of accepted nodes to
+        predicted ones (draft probabilities are not acceptance chances; a weak draft is over-confident). All
+        of them until costs are measured, or when not adaptive."""
+        if not self.config.adaptive or self.cycles < 3 or not values:
+            return len(values)
+        r = min(self.realised / self.predicted, 1.0 / max(values[0], 1e-6))  # a chance is at most 1
+        best, best_rate, total = 1, 0.0, 0.0
+        for n, v in enumerate(values, start=1):
+            total += v
+            rate = (1 + r * total) / (spent_s + max(self._verify_cost(n), 1e-6))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def next_k(self) -> int:
         if not self.config.adaptive or self.cycles < 3 or self.draft_step is None:
@@ -559,8 +585,11 @@ class _Run:
         t1 = time.perf_counter()
         trie = tree.Trie()
         max_depth = max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))
-        for path, eos in branches:
-            trie.insert(self._bridge_branch(path, eos), max_depth, self.config.max_tree_nodes)
+        for path, eos, scores in branches:
+            ids = self._bridge_branch(path, eos)
+            trie.insert(ids, max_depth, self.config.max_tree_nodes, self._node_values(path, scores, ids))
+        full = trie.size
+        trie = trie.pruned(self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0))
         t2 = time.perf_counter()
         logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
         if not self.params.do_sample:
@@ -578,12 +607,15 @@ class _Run:
         self._resync(draft, [], new_ids)  # NOTE: the branches lived in their own cache; re-encode the new text
         t4 = time.perf_counter()
         rejected = bool(trie.children[path[-1] if path else 0])
+        self.policy.calibrate(sum(trie.values[1:]), len(path))
+        self.stats.pruned_nodes += full - trie.size
         self._account(steps, trie.depth, len(path), len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
                       nodes=trie.size, rejected=rejected)
         return new_ids
 
-    def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool]], int]:
-        """A beam of `tree_width` draft paths grown for k steps -> (branches as (draft ids, ends at EOS), forwards).
+    def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool, list[float]]], int]:
+        """A beam of `tree_width` draft paths grown for k steps -> (branches as (draft ids, ends at EOS, the
+        path's log-probability under the draft after each id), forwards).
 
         At each depth the candidates are the top tree_width tokens of every path's next-token distribution (the
         target's warpers applied when sampling), ranked by the path's probability under the draft; the draft's
@@ -594,8 +626,8 @@ class _Run:
         table = self.spec.draft.token_bytes
         probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
         steps = 1
-        paths, scores, texts = [[]], [0.0], [b""]
-        branches: list[tuple[list[int], bool]] = []
+        paths, scores, texts, cums = [[]], [0.0], [b""], [[]]
+        branches: list[tuple[list[int], bool, list[float]]] = []
         cache = None
         for depth in range(k):
             top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
@@ -616,13 +648,13 @@ class _Run:
                 if len(chosen) == width:
                     break
             continued = {r for _, r, _ in chosen}
-            branches += [(paths[r], False) for r in range(len(paths)) if r not in continued and paths[r]]
+            branches += [(paths[r], False, cums[r]) for r in range(len(paths)) if r not in continued and paths[r]]
             frontier = []
             for score, r, t in chosen:
                 if t in self.spec.draft_eos:
-                    branches.append((paths[r] + [t], True))
+                    branches.append((paths[r] + [t], True, cums[r] + [score]))
                 elif depth == k - 1:
-                    branches.append((paths[r] + [t], False))
+                    branches.append((paths[r] + [t], False, cums[r] + [score]))
                 else:
                     frontier.append((score, r, t))
             if not frontier:
@@ -638,6 +670,7 @@ class _Run:
             probs = self._tree_probs(out.logits[:, -1])  # (B, Vd)
             paths = [paths[r] + [t] for _, r, t in frontier]
             texts = [texts[r] + table[t] for _, r, t in frontier]
+            cums = [cums[r] + [score] for score, r, _ in frontier]
             scores = [score for score, _, _ in frontier]
         return branches, steps
 
@@ -653,6 +686,21 @@ class _Run:
             return list(path)
         eos_candidate = min(self.spec.target_eos) if eos and self.spec.target_eos else None
         return self.sync.propose(path[:-1] if eos else path, eos_candidate)
+
+    def _node_values(self, path: list[int], scores: list[float], target_ids: list[int]) -> list[float]:
+        """Each target id's estimated chance of acceptance: the draft's probability of the branch up to the
+        draft id that completes the target id's bytes (the same ids for one tokenizer)."""
+        if self.kind == "same-tokenizer":
+            return [math.exp(x) for x in scores[: len(target_ids)]]
+        draft_ends = list(itertools.accumulate(len(self.spec.draft.token_bytes[t]) for t in path))
+        end, out = len(self.sync.pending), []
+        for t in target_ids:
+            size = len(self.spec.target.token_bytes[t])
+            end += size
+            # NOTE: an EOS candidate (no bytes) stands for the draft's EOS, the branch's last id
+            i = min(bisect.bisect_left(draft_ends, end), len(path) - 1) if size else len(path) - 1
+            out.append(math.exp(scores[i]))
+        return out
 
     # ---------------------------------------------------------------- 5. commit
     def _resync(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:

@@ -37,6 +37,9 @@ class Trie:
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
     children: list[list[int]] = field(default_factory=lambda: [[]])
+    # A node's estimated chance of being accepted (the likeliest draft path through it; the root: 1). Along a
+    # path values never increase, which `pruned` relies on.
+    values: list[float] = field(default_factory=lambda: [1.0])
 
     @property
     def size(self) -> int:
@@ -47,10 +50,12 @@ class Trie:
     def depth(self) -> int:
         return max(self.depths)
 
-    def insert(self, ids: list[int], max_depth: int | None = None, max_nodes: int | None = None) -> None:
-        """Add the path `ids` (cut at max_depth tokens; stops where a new node would exceed max_nodes)."""
+    def insert(self, ids: list[int], max_depth: int | None = None, max_nodes: int | None = None,
+               values: list[float] | None = None) -> None:
+        """Add the path `ids` (cut at max_depth tokens; stops where a new node would exceed max_nodes). `values`
+        (one per id, non-increasing): each node keeps the largest value any inserted path gives it."""
         node = 0
-        for token in ids[:max_depth]:
+        for i, token in enumerate(ids[:max_depth]):
             child = next((c for c in self.children[node] if self.tokens[c] == token), None)
             if child is None:
                 if max_nodes is not None and self.size >= max_nodes:
@@ -60,8 +65,34 @@ class Trie:
                 self.parents.append(node)
                 self.depths.append(self.depths[node] + 1)
                 self.children.append([])
+                self.values.append(0.0)
                 self.children[node].append(child)
+            if values is not None:
+                self.values[child] = max(self.values[child], min(values[i], self.values[node]))
             node = child
+
+    def ranked(self) -> list[int]:
+        """Token nodes by value, largest first (ties: smaller node number first), so that every prefix of the
+        list holds each node's parent before the node."""
+        return sorted(range(1, len(self.tokens)), key=lambda n: (-self.values[n], n))
+
+    def pruned(self, keep: int) -> Trie:
+        """The trie of the `keep` most valuable nodes (a prefix of `ranked`: closed under parents), children
+        in their order here, nodes renumbered in their order here (parents still before children)."""
+        kept = sorted(self.ranked()[:keep])
+        if len(kept) == self.size:
+            return self
+        out, number = Trie(), {0: 0}
+        for n in kept:
+            parent = number[self.parents[n]]  # KeyError would mean a node kept without its parent
+            number[n] = len(out.tokens)
+            out.tokens.append(self.tokens[n])
+            out.parents.append(parent)
+            out.depths.append(self.depths[n])
+            out.children.append([])
+            out.values.append(self.values[n])
+            out.children[parent].append(number[n])
+        return out
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]

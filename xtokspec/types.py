@@ -86,7 +86,7 @@ class SpecConfig:
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
     compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
     tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
-    max_tree_nodes: int = 64  # most target-token nodes one tree verification carries
+    max_tree_nodes: int = 64  # most target-token nodes one tree verification carries (adaptive: fewer, by cost)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -131,6 +131,7 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals (tree nodes) each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
+    pruned_nodes: int = 0  # token trees: drafted nodes left out of verification as not worth their cost
 
     @property
     def max_accepted_in_a_cycle(self) -> int:
