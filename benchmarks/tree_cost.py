@@ -8,6 +8,7 @@ on verification alone (the draft's extra work comes on top).
 
     python benchmarks/tree_cost.py --out bench-out/tree-cost                      # the fixture target, fp32
     python benchmarks/tree_cost.py --model ~/.cache/xtokspec/real/qwen2.5-coder-1.5b --dtype bfloat16 --out ...
+    python benchmarks/tree_cost.py --device cuda --out "$OUT/tree-cost"           # on a GPU (synchronised timing)
 
 Writes tree_cost.json, tree_cost.md and tree_cost.png under --out.
 """
@@ -44,6 +45,13 @@ def tries(n: int) -> dict[str, Trie]:
     return {"flat": flat, "beam": beam}
 
 
+def _sync(model) -> None:
+    """Wait for the device's queued work, so that a wall-clock interval covers the kernels (CUDA is async)."""
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(model, context: int, repeats: int) -> dict:
     prompt = torch.randint(10, min(7000, model.config.vocab_size), (context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
@@ -60,8 +68,10 @@ def measure(model, context: int, repeats: int) -> dict:
             for shape, trie in tries(n).items():
                 times = []
                 for _ in range(repeats + 2):
+                    _sync(model)
                     start = time.perf_counter()
                     state.forward_tree(trie.tokens, trie.parents)
+                    _sync(model)
                     times.append(time.perf_counter() - start)
                     state.kv.rollback(len(state.ids) - 1)
                 out.setdefault(shape, {})[n] = statistics.median(times[2:]) * 1e3  # ms; two warm-up calls
@@ -82,15 +92,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
     parser.add_argument("--out", default="bench-out/tree-cost")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve(args.model, "--model")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)
     costs = measure(model, args.context, args.repeats)
     one_step = costs["flat"][0]
-    lines = [f"Tree verification cost, {Path(str(path)).name} ({args.dtype}, {torch.get_num_threads()} threads, "
+    cuda = args.device.startswith("cuda")
+    where = torch.cuda.get_device_name(args.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    lines = [f"Tree verification cost, {Path(str(path)).name} ({args.dtype}, {where}, "
              f"{args.context}-token context; median of {args.repeats})", "",
              "| nodes | flat tree (ms) | beam-like tree (ms) | x one-token step |", "|---|---|---|---|"]
     for n in NODES:
@@ -106,8 +119,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tree_cost.md").write_text(report + "\n", encoding="utf-8")
     (out / "tree_cost.json").write_text(json.dumps(
-        {"model": str(path), "dtype": args.dtype, "threads": torch.get_num_threads(), "context": args.context,
-         "costs_ms": costs, "fit": fits, "one_step_ms": one_step, "torch": torch.__version__}, indent=1))
+        {"model": str(path), "dtype": args.dtype, "device": where, "threads": torch.get_num_threads(),
+         "context": args.context, "costs_ms": costs, "fit": fits, "one_step_ms": one_step, "torch": torch.__version__}, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -42,6 +42,16 @@ def test_comparisons_only_lists_pairs_that_ran():
     assert [(p["a"], p["b"]) for p in pairs] == [("xtokspec-same", "hf-assisted")]
 
 
+def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its_pruned_twin():
+    from xtokspec.bench import tree_pairs
+
+    pairs = tree_pairs(["xtokspec-bridged", "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all"])
+    assert ("xtokspec-bridged-tree4", "xtokspec-bridged") in pairs
+    assert ("xtokspec-bridged-tree4", "xtokspec-bridged-intersection") in pairs
+    assert ("xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all") in pairs
+    assert not any(a.endswith("-all") for a, _ in pairs)  # the unpruned tree only as the baseline of its twin
+
+
 def test_eos_check_flags_a_sampler_that_never_stops_and_passes_an_equal_one():
     target = _runs("target", [1.0] * 12, "T=0.7", [True] * 10 + [False] * 2)
     never = _runs("never-stops", [1.0] * 12, "T=0.7", [False] * 12)

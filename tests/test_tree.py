@@ -98,9 +98,27 @@ def test_the_tree_budget_maximises_expected_tokens_per_second():
     assert policy.tree_nodes(values, 0.004) == brute(r, 0.004)
     assert 1 < policy.tree_nodes(values, 0.004) < len(values)
     assert policy.tree_nodes(values, 1.0) == len(values)  # a slow draft: every node is worth its 2 ms
-    unadaptive = DraftLengthPolicy(SpecConfig(tree_width=4, adaptive=False))
-    unadaptive.verify, unadaptive.cycles = policy.verify, policy.cycles
-    assert unadaptive.tree_nodes(values, 0.004) == len(values)
+    for config in (SpecConfig(tree_width=4, adaptive=False), SpecConfig(tree_width=4, prune_tree=False)):
+        unpruned = DraftLengthPolicy(config)
+        unpruned.verify, unpruned.cycles = policy.verify, policy.cycles
+        assert unpruned.tree_nodes(values, 0.004) == len(values)
+
+
+def test_the_verification_cost_line_ignores_the_prompt_and_noise_from_equal_counts():
+    """The first cycle's verification also carries the prompt: it is left out of the cost line. Counts that
+    barely vary give no slope (a steep line from them would be noise), and the slope never exceeds the line
+    through the origin."""
+    from xtokspec.decode import DraftLengthPolicy
+
+    policy = DraftLengthPolicy(SpecConfig(tree_width=4))
+    policy.update(2, 2, 1, 0.002, None, nodes=4, rejected=True)  # the prefill cycle: 1 s, not recorded
+    assert policy.verify[0] == 0 and policy._verify_cost(4) == 0.0
+    for t in (0.010, 0.012, 0.011):  # 4 nodes every time
+        policy.update(2, 2, 1, 0.002, t, nodes=4, rejected=True)
+    assert abs(policy._verify_cost(4) - policy._verify_cost(40)) < 1e-12  # no slope
+    for n, t in ((1, 0.001), (8, 0.100), (2, 0.001), (9, 0.120)):  # a steep line with a negative intercept
+        policy.update(2, 2, 1, 0.002, t, nodes=n, rejected=True)
+    assert policy._verify_cost(0) >= -1e-12  # clamped to the line through the origin
 
 
 @pytest.mark.parametrize("node_cost", [0.0, 1.0], ids=["free-nodes", "costly-nodes"])
@@ -223,6 +241,8 @@ def test_tree_settings_are_checked(bridged_spec):
         SpecConfig(tree_width=0)
     with pytest.raises(XTokSpecError, match="max_tree_nodes"):
         SpecConfig(max_tree_nodes=True)
+    with pytest.raises(XTokSpecError, match="prune_tree must be True or False"):
+        SpecConfig(prune_tree=1)
     with pytest.raises(XTokSpecError, match="proposal='intersection' needs tree_width=1"):
         bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, proposal="intersection", tree_width=4)
     result = bridged_spec.generate("こんにちは", max_new_tokens=4, do_sample=True, tree_width=4, seed=0)

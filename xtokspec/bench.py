@@ -123,8 +123,9 @@ def sampling_kwargs(mode: str) -> dict:
 
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
-                  spec_static=None, tree_widths=()) -> dict:
-    """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None)."""
+                  spec_static=None, tree_widths=(), spec_tree_all=None) -> dict:
+    """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
+    (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
 
@@ -165,11 +166,15 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
             for width in tree_widths:  # token trees (one-hot candidates)
                 systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
+                if spec_tree_all:
+                    systems[f"xtokspec-{models.cross_label}-tree{width}-all"] = ours(spec_tree_all, tree_width=width)
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
             for width in tree_widths:
                 systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
+                if spec_tree_all:
+                    systems[f"xtokspec-{models.cross_label}-tree{width}-all"] = ours(spec_tree_all, tree_width=width)
             if "cross" in static:
                 systems[f"xtokspec-{models.cross_label}-static"] = ours(static["cross"])
             for label, (pair, spec) in (spec_extra or {}).items():
@@ -179,7 +184,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
-                  progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = ()) -> list[Run]:
+                  progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
+                  tree_unpruned: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always)."""
     from tqdm.auto import tqdm
 
@@ -192,6 +198,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
                   if models.draft_cross else None)
     spec_extra = {label: (pair, XTokSpec(models.target, pair)) for label, pair in models.extra_cross.items()}
+    spec_tree_all = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(prune_tree=False))
+                     if tree_unpruned and models.draft_cross else None)
     static = SpecConfig(cache="static")
     spec_static = {key: XTokSpec(models.target, pair, config=static)
                    for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
@@ -202,8 +210,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
-    every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths)
-             for m in modes}
+    every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
+                              spec_tree_all) for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
@@ -354,7 +362,10 @@ def tree_pairs(names) -> list[tuple[str, str]]:
     for name in names:
         if "-tree" not in name:
             continue
-        base = name.rsplit("-tree", 1)[0]
+        base, shape = name.rsplit("-tree", 1)
+        if shape.endswith("-all"):  # the unpruned tree: against its pruned twin only
+            out.append((name.removesuffix("-all"), name))
+            continue
         out += [(name, base), (name, base + "-intersection"), (name, base + "-onehot"), (name, "xtokspec-same")]
     return out
 
@@ -480,7 +491,8 @@ def main_bench(args: argparse.Namespace) -> int:
     else:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
-                         tree_widths=tuple(args.tree_widths), only=tuple(args.systems))
+                         tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
+                         tree_unpruned=args.tree_unpruned)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
@@ -500,6 +512,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[4], metavar="W",
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
+    bench.add_argument("--tree-unpruned", action="store_true",
+                       help="beside each tree system, the same tree with every drafted node verified (-tree{W}-all)")
     bench.add_argument("--systems", nargs="*", default=[], metavar="NAME",
                        help="run only these systems (and the target alone); default: all")
     bench.add_argument("--out", default="benchmarks")

@@ -10,6 +10,8 @@ Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dyn
   it are overwritten by the next forward, which writes at positions length.., and until then the causal mask
   hides them (a query at position t attends to positions <= t). This relies on StaticLayer writing at
   `cumulative_length + arange(T)` (transformers 5.x; tests/test_cache.py pins it against the installed version).
+  That whole-buffer layer serves compiled steps (fixed shapes); eager forwards use `_PrefixStaticLayer`, the
+  same buffer with a Python-int length, which attends over the written prefix only.
 
 Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the

@@ -101,10 +101,12 @@ class DraftLengthPolicy:
         self.cycles = 0
         self.predicted, self.realised = 1.0, 1.0  # a tree's node values vs accepted nodes (decayed sums)
 
-    def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float,
+    def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float | None,
                nodes: int | None = None, rejected: bool | None = None) -> None:
         """One cycle: `drafted` draft steps, `proposed` proposals in a row (a tree's depth), `accepted` of them;
-        for a tree also its `nodes` and whether the walk stopped at a rejection (a chain: accepted < proposed)."""
+        for a tree also its `nodes` and whether the walk stopped at a rejection (a chain: accepted < proposed).
+        verify_s None: the verification also carried the prompt (the first cycle), so its time says nothing
+        about the cost of verifying proposals."""
         d = self.decay
         nodes = proposed if nodes is None else nodes
         rejected = accepted < proposed if rejected is None else rejected
@@ -122,15 +124,23 @@ class DraftLengthPolicy:
             self.draft_step = step if self.draft_step is None else d * self.draft_step + (1 - d) * step
             self.proposals_per_draft = d * self.proposals_per_draft + (1 - d) * proposed / drafted
             self.nodes_per_draft = d * self.nodes_per_draft + (1 - d) * nodes / drafted
-        m = float(nodes)
-        for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
-            self.verify[i] = d * self.verify[i] + v
+        if verify_s is not None:
+            m = float(nodes)
+            for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
+                self.verify[i] = d * self.verify[i] + v
 
     def _verify_cost(self, m: float) -> float:
+        """Verification seconds for m proposals (nodes): a least-squares line over recent cycles. Its slope is
+        0 until the counts have spread (a variance of at least one proposal squared: a steeper line from
+        nearly equal counts is noise), and at most the one through the origin (no negative fixed cost)."""
         n, sm, smm, st, smt = self.verify
-        var = smm / n - (sm / n) ** 2
-        slope = max(0.0, (smt / n - (sm / n) * (st / n)) / var) if var > 1e-9 else 0.0
-        return st / n + slope * (m - sm / n)
+        if n <= 0:
+            return 0.0
+        mean_m, mean_t = sm / n, st / n
+        var = smm / n - mean_m**2
+        slope = max(0.0, (smt / n - mean_m * mean_t) / var) if var >= 1.0 else 0.0
+        slope = min(slope, mean_t / mean_m) if mean_m > 0 else slope
+        return mean_t + slope * (m - mean_m)
 
     def calibrate(self, predicted: float, accepted: int) -> None:
         """One tree cycle: the sum of its verified nodes' values (their expected number of accepted nodes, if
@@ -143,8 +153,8 @@ class DraftLengthPolicy:
         cycle has already spent: the n that maximises expected tokens per second,
         (1 + r * (v_1 + ... + v_n)) / (spent + verify(n)), with r the measured ratio of accepted nodes to
         predicted ones (draft probabilities are not acceptance chances; a weak draft is over-confident). All
-        of them until costs are measured, or when not adaptive."""
-        if not self.config.adaptive or self.cycles < 3 or not values:
+        of them until costs are measured, and with adaptive=False or prune_tree=False."""
+        if not (self.config.adaptive and self.config.prune_tree) or self.cycles < 3 or not values:
             return len(values)
         r = min(self.realised / self.predicted, 1.0 / max(values[0], 1e-6))  # a chance is at most 1
         best, best_rate, total = 1, 0.0, 0.0
@@ -442,6 +452,7 @@ class _Run:
         if proposal_probs is not None:
             proposal_probs = proposal_probs[: len(proposals)]
         t2 = time.perf_counter()
+        prefill = len(target.ids) - target.cached > 1  # the first cycle also feeds the prompt
         num_accepted, next_token = self._verify(target, proposals, proposal_probs)
         t3 = time.perf_counter()
         new_ids = self._committed(proposals[:num_accepted] + [next_token], remaining)
@@ -449,7 +460,8 @@ class _Run:
         target.ids.append(next_token)
         self._resync(draft, drafted, new_ids)
         t4 = time.perf_counter()
-        self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2)
+        self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
+                      prefill=prefill)
         return new_ids
 
     def _committed(self, new_ids: list[int], remaining: int) -> list[int]:
@@ -472,7 +484,7 @@ class _Run:
         return bool(stats.stop_reason)
 
     def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s, nodes=None,
-                 rejected=None) -> None:
+                 rejected=None, prefill=False) -> None:
         s = self.stats
         rejected = accepted < proposed if rejected is None else rejected
         s.target_forwards += 1
@@ -487,7 +499,7 @@ class _Run:
         s.draft_lengths.append(drafted)
         s.proposal_lengths.append(proposed if nodes is None else nodes)
         s.accepted_lengths.append(accepted)
-        self.policy.update(drafted, proposed, accepted, draft_s, verify_s, nodes, rejected)
+        self.policy.update(drafted, proposed, accepted, draft_s, None if prefill else verify_s, nodes, rejected)
 
     # ---------------------------------------------------------------- 1. draft
     def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
@@ -591,6 +603,7 @@ class _Run:
         full = trie.size
         trie = trie.pruned(self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0))
         t2 = time.perf_counter()
+        prefill = len(target.ids) - target.cached > 1
         logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
         if not self.params.do_sample:
             path, next_token = tree.verify_tree_greedy(logits, trie)
@@ -610,7 +623,7 @@ class _Run:
         self.policy.calibrate(sum(trie.values[1:]), len(path))
         self.stats.pruned_nodes += full - trie.size
         self._account(steps, trie.depth, len(path), len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
-                      nodes=trie.size, rejected=rejected)
+                      nodes=trie.size, rejected=rejected, prefill=prefill)
         return new_ids
 
     def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool, list[float]]], int]:

@@ -86,7 +86,8 @@ class SpecConfig:
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
     compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
     tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
-    max_tree_nodes: int = 64  # most target-token nodes one tree verification carries (adaptive: fewer, by cost)
+    max_tree_nodes: int = 64  # most target-token nodes one tree verification carries
+    prune_tree: bool = True  # with adaptive: verify only the drafted nodes worth their measured cost
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -95,8 +96,9 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
-        if not isinstance(self.compile, bool):
-            raise XTokSpecError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "adaptive", "prune_tree"):
+            if not isinstance(getattr(self, name), bool):
+                raise XTokSpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
         for name in ("tree_width", "max_tree_nodes"):
