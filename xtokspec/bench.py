@@ -150,6 +150,14 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         return run
 
     systems = {"target": hf()}
+
+    def add_trees():  # NOTE: called where the chains of each mode are, which keeps the systems' order
+        for width in tree_widths:
+            name = f"xtokspec-{models.cross_label}-tree{width}"
+            systems[name] = ours(spec_cross, tree_width=width)
+            if spec_tree_all:
+                systems[name + "-all"] = ours(spec_tree_all, tree_width=width)
+
     static = spec_static or {}
     if models.draft_same:
         systems["hf-assisted"] = hf(models.draft_same)
@@ -164,17 +172,11 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         if kw["do_sample"]:
             systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
-            for width in tree_widths:  # token trees (one-hot candidates)
-                systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
-                if spec_tree_all:
-                    systems[f"xtokspec-{models.cross_label}-tree{width}-all"] = ours(spec_tree_all, tree_width=width)
+            add_trees()  # token trees (one-hot candidates)
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
-            for width in tree_widths:
-                systems[f"xtokspec-{models.cross_label}-tree{width}"] = ours(spec_cross, tree_width=width)
-                if spec_tree_all:
-                    systems[f"xtokspec-{models.cross_label}-tree{width}-all"] = ours(spec_tree_all, tree_width=width)
+            add_trees()
             if "cross" in static:
                 systems[f"xtokspec-{models.cross_label}-static"] = ours(static["cross"])
             for label, (pair, spec) in (spec_extra or {}).items():

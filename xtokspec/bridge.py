@@ -395,7 +395,7 @@ class TextSync:
         drafted = drafted[:cut]  # NOTE: a drafted special (EOS) stands for no text and is never kept
         synced = self.synced
         self.committed += self.target.bytes_of(new_target_ids)
-        ends = self.draft_ends + [synced + e for e in _cumulative(self.draft.token_bytes, drafted)]
+        ends = self.draft_ends + [synced + e for e in byte_ends(self.draft.token_bytes, drafted)]
         draft_bytes = self.committed[:synced] + self.draft.bytes_of(drafted)
         complete = utf8_valid_prefix_len(self.committed)
         agree = min(common_prefix_len(draft_bytes, self.committed, synced), complete)
@@ -416,7 +416,7 @@ class TextSync:
         return keep, ids
 
 
-def _cumulative(table: list[bytes], ids: list[int]) -> list[int]:
+def byte_ends(table: list[bytes], ids: list[int]) -> list[int]:
     """Running end offsets of the bytes of `ids`."""
     out, pos = [], 0
     for i in ids:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import math
 import time
 import warnings
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import sampling, tree
-from .bridge import TextSync, TokenCodec, build_token_map
+from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
 from .cache import ModelState, choose_backend, compile_step, input_device, select_rows, sliding_layers
 from .models import load
 from .types import (
@@ -639,13 +638,13 @@ class _Run:
         table = self.spec.draft.token_bytes
         probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
         steps = 1
-        paths, scores, texts, cums = [[]], [0.0], [b""], [[]]
+        paths, texts, cums = [[]], [b""], [[]]  # per path: draft ids, their text, log-probability after each id
         branches: list[tuple[list[int], bool, list[float]]] = []
         cache = None
         for depth in range(k):
             top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
             candidates = sorted(
-                ((scores[r] + math.log(p), r, t) for r, (ps, ts) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True))
+                ((_last(cums[r]) + math.log(p), r, t) for r, (ps, ts) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True))
                  for p, t in zip(ps, ts, strict=True) if p > 0),
                 reverse=True,
             )
@@ -684,7 +683,6 @@ class _Run:
             paths = [paths[r] + [t] for _, r, t in frontier]
             texts = [texts[r] + table[t] for _, r, t in frontier]
             cums = [cums[r] + [score] for score, r, _ in frontier]
-            scores = [score for score, _, _ in frontier]
         return branches, steps
 
     def _tree_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -705,7 +703,7 @@ class _Run:
         draft id that completes the target id's bytes (the same ids for one tokenizer)."""
         if self.kind == "same-tokenizer":
             return [math.exp(x) for x in scores[: len(target_ids)]]
-        draft_ends = list(itertools.accumulate(len(self.spec.draft.token_bytes[t]) for t in path))
+        draft_ends = byte_ends(self.spec.draft.token_bytes, path)
         end, out = len(self.sync.pending), []
         for t in target_ids:
             size = len(self.spec.target.token_bytes[t])
@@ -729,6 +727,11 @@ class _Run:
         keep, extra = self.sync.commit(new_ids, drafted)
         draft.truncate(self.draft_prompt_len + keep)
         draft.ids.extend(extra)
+
+
+def _last(scores: list[float]) -> float:
+    """A draft path's log-probability: its last running score (0 for the empty path)."""
+    return scores[-1] if scores else 0.0
 
 
 def _resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
