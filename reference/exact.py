@@ -15,7 +15,7 @@ Two settings:
 """
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,7 +153,7 @@ def speculative_generate(
     length: int,
     num_draft_tokens: int,
     rng: np.random.Generator,
-    proposal: str = "full",
+    proposal: "str | Callable[[tuple[int, ...], tuple[int, ...]], str]" = "full",
 ) -> tuple[int, ...]:
     """Speculative decoding over table LMs; returns the first ``length`` tokens (cut after EOS).
 
@@ -162,11 +162,22 @@ def speculative_generate(
     ``onehot_block`` (proposal="onehot": the draft tokens as certain guesses) accepts, recovers or
     adds the bonus; (4) commit and repeat. Invariant: the result is distributed as
     ``sequence_distribution(target_lm, prefix, length)``.
+
+    ``proposal`` may also be a chooser ``(generated so far, this block's draft tokens) -> "full" |
+    "onehot"``, called once per block (xtokspec's proposal="auto" chooses each cycle this way). Proof
+    sketch that the invariant holds for every chooser that ignores its second argument: given the
+    tokens generated so far, the kind is fixed before the block's draws, and either block emits its
+    tokens with the target's law given that history (Leviathan et al., Theorem 1; for one-hot, the same
+    theorem with q one-hot). The law of the whole continuation is the product of these conditional laws,
+    so it is the target's, whatever rule picked the kinds. A chooser that looks at the block's own draft
+    tokens breaks it: "full" is then used on tokens that, given the choice, are no longer distributed as
+    q (the tests' negative control).
     """
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    if proposal not in ("full", "onehot"):
-        raise ValueError(f"proposal must be 'full' or 'onehot', got {proposal!r}")
+    chooser = proposal if callable(proposal) else None
+    if chooser is None and proposal not in ("full", "onehot"):
+        raise ValueError(f"proposal must be 'full', 'onehot' or a chooser, got {proposal!r}")
     vocab_size = target_lm.vocab_size
     generated: list[int] = []
     while len(generated) < length and target_lm.eos_id not in generated:
@@ -181,7 +192,10 @@ def speculative_generate(
         )
         uniforms = rng.random(num_draft_tokens)  # (K,)
         noise = rng.standard_exponential((num_draft_tokens + 1, vocab_size))  # (K+1, V)
-        if proposal == "full":  # (3) verify
+        kind = chooser(tuple(generated), tuple(draft_tokens)) if chooser else proposal
+        if kind not in ("full", "onehot"):
+            raise ValueError(f"the chooser must return 'full' or 'onehot', got {kind!r}")
+        if kind == "full":  # (3) verify
             result = speculative_block(target_probs, np.stack(proposal_probs), draft_tokens, uniforms, noise)
         else:
             result = onehot_block(target_probs, draft_tokens, uniforms, noise)

@@ -266,3 +266,20 @@ def test_added_whitespace_tokens_written_with_the_metaspace_stand_for_spaces():
     ids, ends = codec.encode_stream("a  b\t  c.    東京")
     assert codec.bytes_of(ids) == "a  b\t  c.    東京".encode()
     assert any(codec.token_bytes[i] == b"  " for i in ids)  # an added whitespace run was used, as two spaces
+
+
+def test_first_pieces_on_the_fixture_tokenizers(fixture_codecs):
+    """Every draft id's first target piece: the first id of the target's exact encoding of its text, or -1
+    where the text is empty (specials) or not complete UTF-8 (byte-level ids that end inside a character)."""
+    target, draft = fixture_codecs
+    got = target.first_pieces(draft.token_bytes)
+    assert len(got) == len(draft.token_bytes)
+    for d, data in enumerate(draft.token_bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            assert got[d] == -1, d
+            continue
+        want = target.encode_exact(text)[:1] if text else []
+        assert got[d] == (want[0] if want else -1), (d, text)
+    assert sum(g >= 0 for g in got) > 0.8 * len(got)  # the table is not mostly empty

@@ -104,3 +104,29 @@ def test_bad_logits_are_named():
 def test_invalid_sampling_parameters(kwargs, match):
     with pytest.raises(XTokSpecError, match=match):
         SamplingParams(do_sample=True, **kwargs)
+
+
+def test_first_position_acceptance_matches_enumeration():
+    """proposal="auto" compares the kinds by these two chances; check both against the defining sums and
+    against the reference's mapped proposal, on random distributions with unmapped ids and shared targets."""
+    rng = np.random.default_rng(5)
+    vd, vt = 9, 7
+    for _ in range(20):
+        p = rng.dirichlet(np.full(vt, 0.4))
+        q = rng.dirichlet(np.full(vd, 0.4))
+        token_map = rng.integers(-1, vt, vd)  # -1: unmapped; repeats: several draft ids share a target id
+        token_map[0] = 2  # at least one mapped id
+        first = rng.integers(-1, vt, vd)
+        proposal, _ = reference.map_proposal(q, token_map, vt)
+        want_intersection = np.minimum(p, proposal).sum()
+        want_onehot = sum(q[d] * p[first[d]] for d in range(vd) if first[d] >= 0)
+        pt, qt = torch.tensor(p), torch.tensor(q)
+        got_i = sampling.intersection_acceptance(pt, qt, torch.tensor(token_map))
+        got_o = sampling.onehot_acceptance(pt, qt, torch.tensor(first))
+        assert got_i.dim() == 0 and got_o.dim() == 0
+        assert float(got_i) == pytest.approx(want_intersection, abs=1e-12)
+        assert float(got_o) == pytest.approx(want_onehot, abs=1e-12)
+    # the draft's mass all on unmapped ids: the intersection proposal does not exist, and is never accepted
+    none_mapped = torch.tensor([-1, -1, 0])
+    assert float(sampling.intersection_acceptance(torch.tensor([0.5, 0.5]), torch.tensor([0.6, 0.4, 0.0]),
+                                                  none_mapped)) == 0.0

@@ -1,7 +1,7 @@
 """Chi-square tests of xtokspec's sampling against exact distributions, each with a negative control.
 
 False-failure budget (see reference/chisquare.py): a full tox run may fail a correct implementation with
-probability <= 1e-3. tests/reference claims 2e-4 for its 11 tests; this file claims the other 8e-4 for its
+probability <= 1e-3. tests/reference claims 2e-4 for its 12 tests; this file claims the other 8e-4 for its
 NUM_TESTS statistical tests, so each runs at ALPHA = 8e-4 / NUM_TESTS. Seeds are fixed: a pass is
 reproducible, and the budget is the chance that the seeds chosen were unlucky. Every test also runs a
 deliberately wrong sampler on the same sample size and asserts that the same check rejects it (p < ALPHA).
@@ -21,8 +21,8 @@ import reference
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 12  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 6.7e-5
+NUM_TESTS = 13  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 6.2e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -262,7 +262,7 @@ CASES = [
 # Runs per case: N_E2E, or 1,000 where every control rejected by a wide margin (v2.1 fixtures, at 1,000: deep
 # 1.3e-9, 2.1e-53 and 1.2e-17); the rest keep 2,000. The weakest control is the one-hot deep one: the residual
 # flaw at the second proposal gives p = 4.6e-5 on both one-hot cases (the same seeds draw the same samples on
-# both cache backends), under ALPHA = 6.7e-5 but not by much; seeds are fixed, so it passes every time.
+# both cache backends), under ALPHA = 6.2e-5 but not by much; seeds are fixed, so it passes every time.
 CASE_RUNS = {CASES[1]: 1000, CASES[4]: 1000, CASES[5]: 1000}
 # The cases tox's second stats env runs (tox -e stats2), so that the two envs share the machine's 2 cores.
 SECOND_ENV = {CASES[1], CASES[3], CASES[4], CASES[5]}
@@ -393,6 +393,67 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
         )
         report.append(f"no-renormalisation {where} control p={control.pvalue:.3g}")
     print("; ".join(report))
+
+
+# ---------------------------------------------------------------- D. proposal="auto": kinds switched between cycles
+# The chooser (xtokspec.decode.ProposalChooser) is forced to switch kinds after every measured cycle, so that
+# a run's cycles alternate between intersection and one-hot: what switching carries from one cycle to the
+# next (the text sync, the draft's cache, the chooser's rows) is on the tested path. Proof that any kind
+# chosen from past cycles is lossless: reference/exact.py, speculative_generate. The negative control is the
+# bug that proof excludes: a kind chosen from the cycle's own draws (here: the intersection proposal kept
+# only when the first drafted id is even, one-hot verification otherwise).
+SWITCH_CASE = ("dynamic", "intersection", "t1.0-k3")
+SWITCH_RUNS = 1000
+MIN_SWITCHED_SHARE = 0.3
+
+
+def alternate(self, onehot, intersection, accepted):
+    self.kind = "onehot" if self.kind == "intersection" else "intersection"
+    return self.kind
+
+
+def peeking_bridge(bridge):
+    """WRONG: keeps the intersection proposal only when the cycle's first drafted id is even."""
+
+    def flawed(self, drafted, rows, eos):
+        if self.kind == "intersection" and drafted and drafted[0] % 2:
+            return self.sync.propose(drafted[:-1] if eos else drafted), None
+        return bridge(self, drafted, rows, eos)
+
+    return flawed
+
+
+def sample_switching(spec, prompt, runs):
+    """-> (continuations, share of runs whose cycles used both kinds)."""
+    samples, switched = [], 0
+    for seed in range(runs):
+        result = spec.generate(prompt, max_new_tokens=LENGTH, do_sample=True, seed=seed, proposal="auto",
+                               num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False, **SETTINGS[SWITCH_CASE[2]])
+        samples.append(tuple(result.token_ids))
+        switched += len(result.stats.proposal_cycles) == 2
+    return samples, switched / runs
+
+
+@pytest.mark.stats
+@pytest.mark.slow
+def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_target, monkeypatch):
+    from xtokspec import decode
+
+    prompt = PROMPTS[SWITCH_CASE[1:]]
+    params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[SWITCH_CASE[2]])
+    exact = exact_continuations(*ja_target, prompt, params, LENGTH, bridged_spec.target_eos)
+    monkeypatch.setattr(decode.ProposalChooser, "update", alternate)
+    samples, switched = sample_switching(bridged_spec, prompt, SWITCH_RUNS)
+    assert switched >= MIN_SWITCHED_SHARE, f"only {switched:.0%} of runs used both kinds"
+    result = reference.assert_samples_match(samples, exact, ALPHA, "switching kinds")
+    with monkeypatch.context() as patch:
+        patch.setattr(decode._Run, "_bridge", peeking_bridge(decode._Run._bridge))
+        wrong, _ = sample_switching(bridged_spec, prompt, SWITCH_RUNS)
+    counts, probs, _labels = reference.count_samples(wrong, exact)
+    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+    assert control.rejected, f"negative control (kind chosen from the cycle's draws) passed (p={control.pvalue:.3g})"
+    print(f"switching kinds (N={SWITCH_RUNS}): p={result.pvalue:.3g}, switched share {switched:.2f}; "
+          f"peeking control p={control.pvalue:.3g}")
 
 
 def _statistical_test_count() -> int:

@@ -172,6 +172,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         if kw["do_sample"]:
             systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
+            systems[f"xtokspec-{models.cross_label}-auto"] = ours(spec_cross, proposal="auto")
             add_trees()  # token trees (one-hot candidates)
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
@@ -352,14 +353,17 @@ PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
          ("xtokspec-bridged-gemma", "xtokspec-bridged-gemma-fixed-k"),
          ("xtokspec-bridged-gemma-intersection", "hf-universal"), ("xtokspec-bridged-gemma-onehot", "hf-universal"),
          ("xtokspec-bridged-gemma-intersection", "xtokspec-bridged-gemma-onehot"),
+         ("xtokspec-bridged-auto", "xtokspec-bridged-onehot"), ("xtokspec-bridged-auto", "xtokspec-bridged-intersection"),
+         ("xtokspec-bridged-gemma-auto", "xtokspec-bridged-gemma-onehot"),
+         ("xtokspec-bridged-gemma-auto", "xtokspec-bridged-gemma-intersection"),
          ("xtokspec-bridged-smollm", "hf-universal-smollm"),
          ("xtokspec-same-static", "xtokspec-same"), ("xtokspec-bridged-static", "xtokspec-bridged"),
          ("xtokspec-bridged-gemma-static", "xtokspec-bridged-gemma")]
 
 
 def tree_pairs(names) -> list[tuple[str, str]]:
-    """Each token-tree system against the chains it competes with: the same draft's chains (greedy; one-hot and
-    intersection sampling) and the same-tokenizer chain."""
+    """Each token-tree system against the chains it competes with: the same draft's chains (greedy; one-hot,
+    intersection and auto sampling) and the same-tokenizer chain."""
     out = []
     for name in names:
         if "-tree" not in name:
@@ -368,7 +372,8 @@ def tree_pairs(names) -> list[tuple[str, str]]:
         if shape.endswith("-all"):  # the unpruned tree: against its pruned twin only
             out.append((name.removesuffix("-all"), name))
             continue
-        out += [(name, base), (name, base + "-intersection"), (name, base + "-onehot"), (name, "xtokspec-same")]
+        out += [(name, base), (name, base + "-intersection"), (name, base + "-onehot"), (name, base + "-auto"),
+                (name, "xtokspec-same")]
     return out
 
 

@@ -215,6 +215,21 @@ class TokenCodec:
         table = self.token_bytes
         return b"".join(table[i] for i in ids)
 
+    def first_pieces(self, texts: Sequence[bytes]) -> list[int]:
+        """For each text (bytes), the id of the first token of its fragment encoding, if that token stands for
+        the text's first bytes; -1 for empty text, text that is not complete UTF-8, or a first token that does not
+        stand for its text (an <unk>, a normalizer's change). One batched encode."""
+        out = [-1] * len(texts)
+        valid = []
+        for n, data in enumerate(texts):
+            if data and utf8_valid_prefix_len(data) == len(data):
+                valid.append(n)
+        encodings = self._fragment.encode_batch([texts[n].decode("utf-8") for n in valid], add_special_tokens=False)
+        for n, enc in zip(valid, encodings, strict=True):
+            if enc.ids and (piece := self.token_bytes[enc.ids[0]]) and texts[n].startswith(piece):
+                out[n] = enc.ids[0]
+        return out
+
     def encode_exact(self, text: str) -> list[int]:
         """Fragment ids of `text`, cut before the first token whose bytes differ from the text (e.g. <unk>)."""
         ids = self.encode_fragment(text)

@@ -103,7 +103,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(result.text)
         stats = result.stats
     print(f"[xtokspec] {spec.describe()}", file=sys.stderr)
-    print(f"[xtokspec] {stats.proposal}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
+    kind = stats.proposal
+    if stats.proposal == "auto":  # chosen each cycle: say which kinds ran, how often
+        kind += " (" + ", ".join(f"{k} {n}" for k, n in sorted(stats.proposal_cycles.items())) + " cycles)"
+    print(f"[xtokspec] {kind}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
     return 0
 
 

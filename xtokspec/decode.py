@@ -180,6 +180,59 @@ class DraftLengthPolicy:
         return best
 
 
+class ProposalChooser:
+    """proposal="auto" for sampled chains across tokenizers: which proposal kind the next cycle uses.
+
+    A kind's expected accepted tokens per cycle is a0 * D: a0 its chance of acceptance at the cycle's first
+    position, D its accepted tokens per cycle in which the first proposal was accepted. a0 is computable for
+    both kinds after each verification, from the draft's distribution at the first position (q, the draft's own
+    vocabulary) and the target's (p): the intersection proposal is accepted with sum_v min(p(v), Q(v)) (Q: q
+    restricted to ids with the same bytes in both vocabularies), the one-hot proposal with
+    sum_d q(d) p(first target token of d's text); both come from the same q and p, so they are compared paired.
+    D differs between the kinds (a one-hot draft token may carry several target tokens; intersection restricts
+    the draft to mapped ids) and is measured only while a kind runs, from a prior of PRIOR_DEPTH. The next cycle
+    uses the kind with the larger a0 * D (running means, exponential forgetting); a switch needs a lead of
+    `margin` tokens. Until a cycle has been measured the static rule decides (SpecConfig.min_mapped_mass).
+
+    Lossless: the kind is chosen from cycles already verified, never from the draws of the cycle it is used in,
+    and every cycle is verified exactly for the proposal it used (reference/exact.py, speculative_generate
+    with a chooser; tests/test_stats.py, the switching case).
+    """
+
+    KINDS = ("onehot", "intersection")
+    PRIOR_DEPTH, PRIOR_WEIGHT = 1.2, 2.0  # D before a kind has run: pseudo-cycles at 1.2 tokens each
+
+    def __init__(self, start: str, decay: float = 0.9, margin: float = 0.02):
+        self.kind = start
+        self.decay, self.margin = decay, margin
+        self.first = dict.fromkeys(self.KINDS, 0.0)  # decayed sums of a0 estimates
+        self.weight = 0.0
+        self.accepted = dict.fromkeys(self.KINDS, self.PRIOR_DEPTH * self.PRIOR_WEIGHT)  # per kind: tokens
+        self.reached = dict.fromkeys(self.KINDS, self.PRIOR_WEIGHT)  # ... over cycles whose first was accepted
+
+    def update(self, onehot: float, intersection: float, accepted: int) -> str:
+        """One verified cycle: both kinds' first-position chances, and the tokens the running kind accepted ->
+        the kind for the next cycle."""
+        d = self.decay
+        self.weight = d * self.weight + 1.0
+        for kind, value in zip(self.KINDS, (onehot, intersection), strict=True):
+            self.first[kind] = d * self.first[kind] + value
+        if accepted:
+            self.accepted[self.kind] = d * self.accepted[self.kind] + accepted
+            self.reached[self.kind] = d * self.reached[self.kind] + 1.0
+        scores = self.scores()
+        other = self.KINDS[1 - self.KINDS.index(self.kind)]
+        if scores[other] > scores[self.kind] + self.margin:
+            self.kind = other
+        return self.kind
+
+    def scores(self) -> dict[str, float]:
+        """Expected accepted tokens per cycle, a0 * D, per kind."""
+        if not self.weight:
+            return {}
+        return {k: self.first[k] / self.weight * self.accepted[k] / self.reached[k] for k in self.KINDS}
+
+
 class XTokSpec:
     """Lossless speculative decoding of `large` (the target) with `small` (the draft), any two tokenizers.
 
@@ -197,6 +250,7 @@ class XTokSpec:
         self.draft_eos = _eos_ids(self.draft_model, self.draft_tokenizer)
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
         self._token_map = None
+        self._first_pieces = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
@@ -285,6 +339,14 @@ class XTokSpec:
             pairs = [(d, min(self.target_eos)) for d in self.draft_eos] if self.target_eos else []
             self._token_map = build_token_map(self.draft, self.target, pairs)
         return self._token_map
+
+    @property
+    def first_pieces(self) -> torch.Tensor:
+        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (built on first use,
+        one batched encode: ~2 s for a 262k vocabulary)."""
+        if self._first_pieces is None:
+            self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
+        return self._first_pieces
 
     def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None) -> SamplingParams:
         """Sampling parameters as the target's `generate` would resolve them from its generation_config."""
@@ -385,9 +447,7 @@ class XTokSpec:
                     "needs tree_width=1 (or use proposal='auto' / 'onehot')"
                 )
             return "onehot"
-        if proposal == "auto":
-            return "intersection" if self.token_map.mapped_draft_share >= self.config.min_mapped_mass else "onehot"
-        return proposal
+        return proposal  # "auto": chosen each cycle (ProposalChooser)
 
 
 class _Run:
@@ -406,7 +466,16 @@ class _Run:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             self.target_gen = self._generator(spec.target_model, seed)
             self.draft_gen = self._generator(spec.draft_model, seed + 1)
-        if kind == "intersection":
+        self.chooser = None
+        if kind == "auto":  # sampled chain across tokenizers: one-hot or intersection, chosen each cycle
+            static = "intersection" if spec.token_map.mapped_draft_share >= config.min_mapped_mass else "onehot"
+            self.chooser = ProposalChooser(static)
+            self.kind = static
+            where = self._target_logits_device()
+            self.estimate_map = torch.tensor(spec.token_map.draft_to_target, device=where)  # (Vd,)
+            self.estimate_first = spec.first_pieces.to(where)  # (Vd,)
+        self.first_row = None  # the chooser's q: the draft's distribution at a cycle's first position
+        if self.kind == "intersection" or self.chooser:
             self.draft_to_target = torch.tensor(spec.token_map.draft_to_target, device=input_device(spec.draft_model))  # (Vd,)
             self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
 
@@ -452,15 +521,18 @@ class _Run:
             proposal_probs = proposal_probs[: len(proposals)]
         t2 = time.perf_counter()
         prefill = len(target.ids) - target.cached > 1  # the first cycle also feeds the prompt
-        num_accepted, next_token = self._verify(target, proposals, proposal_probs)
+        num_accepted, next_token, target_probs = self._verify(target, proposals, proposal_probs)
         t3 = time.perf_counter()
         new_ids = self._committed(proposals[:num_accepted] + [next_token], remaining)
         target.truncate(len(target.ids) - len(proposals) + num_accepted)
         target.ids.append(next_token)
         self._resync(draft, drafted, new_ids)
+        used = self.kind
+        if self.chooser and self.first_row is not None and target_probs is not None:
+            self._choose(target_probs[0], self.first_row.to(target_probs.device), num_accepted)
         t4 = time.perf_counter()
         self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
-                      prefill=prefill)
+                      prefill=prefill, kind=used)
         return new_ids
 
     def _committed(self, new_ids: list[int], remaining: int) -> list[int]:
@@ -483,8 +555,10 @@ class _Run:
         return bool(stats.stop_reason)
 
     def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s, nodes=None,
-                 rejected=None, prefill=False) -> None:
+                 rejected=None, prefill=False, kind=None) -> None:
         s = self.stats
+        kind = kind or self.kind
+        s.proposal_cycles[kind] = s.proposal_cycles.get(kind, 0) + 1
         rejected = accepted < proposed if rejected is None else rejected
         s.target_forwards += 1
         s.draft_forwards += drafted
@@ -509,6 +583,7 @@ class _Run:
         rows: list[torch.Tensor] = []
         restrict = self.kind == "intersection" and not self.sync.pending
         keep_rows = self.kind in ("same-tokenizer", "intersection") and self.params.do_sample
+        self.first_row = None
         for _ in range(k):
             logits = draft.forward(keep=1)  # (1, Vd)
             if not self.params.do_sample:
@@ -516,6 +591,8 @@ class _Run:
                 confident = self.min_confidence <= 0 or float(torch.softmax(logits[0].float(), -1)[token]) >= self.min_confidence
             else:
                 probs = sampling.logits_to_probs(logits, self.warpers)[0]  # (Vd,)
+                if self.chooser and not ids and not self.sync.pending:
+                    self.first_row = probs  # both kinds' first proposal comes from this q (before restriction)
                 if restrict:
                     probs = probs * self.mapped_mask
                     if float(probs.sum()) <= 0:
@@ -574,11 +651,12 @@ class _Run:
         return self.spec.target_model.get_output_embeddings().weight.device
 
     # ---------------------------------------------------------------- 3-4. verify
-    def _verify(self, target: ModelState, proposals: list[int], proposal_probs) -> tuple[int, int]:
+    def _verify(self, target: ModelState, proposals: list[int], proposal_probs) -> tuple[int, int, torch.Tensor | None]:
+        """-> (accepted proposals, next token, the target's warped distributions (K+1, Vt) when sampling)."""
         target.ids.extend(proposals)
         logits = target.forward(keep=len(proposals) + 1)  # (K+1, Vt)
         if not self.params.do_sample:
-            return sampling.verify_greedy(logits, proposals)
+            return (*sampling.verify_greedy(logits, proposals), None)
         proposal_ids = torch.tensor(proposals, dtype=torch.long, device=logits.device)  # (K,)
         target_probs = sampling.logits_to_probs(logits, self.warpers)  # (K+1, Vt)
         gen = self.target_gen
@@ -586,7 +664,17 @@ class _Run:
         num_accepted = sampling.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
         dist = sampling.next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
         noise = sampling.exponential_noise(dist.shape, gen, gen.device).to(dist.device)
-        return num_accepted, int(sampling.race(dist, noise))
+        return num_accepted, int(sampling.race(dist, noise)), target_probs
+
+    def _choose(self, p: torch.Tensor, q: torch.Tensor, accepted: int) -> None:
+        """proposal="auto": both kinds' chance of acceptance at this cycle's first position (one transfer) -> the
+        next cycle's kind."""
+        onehot, intersection = torch.stack([
+            sampling.onehot_acceptance(p, q, self.estimate_first[: q.shape[-1]]),
+            sampling.intersection_acceptance(p, q, self.estimate_map[: q.shape[-1]]),
+        ]).tolist()
+        self.kind = self.chooser.update(onehot, intersection, accepted)
+        self.stats.proposal_estimates = self.chooser.scores()
 
     # ---------------------------------------------------------------- token trees (steps 1-5 for a tree)
     def _tree_cycle(self, target: ModelState, draft: ModelState, k: int, remaining: int) -> list[int]:

@@ -80,6 +80,25 @@ def map_to_target(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, targ
     return out
 
 
+def intersection_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                            draft_to_target: torch.Tensor) -> torch.Tensor:
+    """Chance that the intersection proposal is accepted at one position: sum_v min(p(v), Q(v)), with Q the draft's
+    (Vd,) distribution restricted to mapped ids and moved onto the target's (Vt,) vocabulary; 0 when no mapped id
+    has mass. A 0-dim tensor (no host transfer)."""
+    mapped = draft_probs * (draft_to_target >= 0)  # (Vd,)
+    mass = mapped.sum()
+    q = torch.zeros_like(target_probs).index_add_(0, draft_to_target.clamp(min=0), mapped / mass.clamp(min=1e-30))
+    return torch.minimum(target_probs, q).sum() * (mass > 0)
+
+
+def onehot_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, first_piece: torch.Tensor) -> torch.Tensor:
+    """Chance that the one-hot proposal is accepted at one position: sum_d q(d) p(first_piece[d]), the draft id d
+    drawn from its (Vd,) distribution q and proposed as the first target token of its text (first_piece[d]; -1,
+    no target token: counts as rejected). A 0-dim tensor."""
+    p_first = target_probs[first_piece.clamp(min=0)] * (first_piece >= 0)  # (Vd,)
+    return (draft_probs * p_first).sum()
+
+
 def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor | list[int]) -> tuple[int, int]:
     """(K+1, Vt) logits and (K,) proposals (a tensor or host ids) -> (num_accepted, next_token).
 

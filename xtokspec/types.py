@@ -81,8 +81,8 @@ class SpecConfig:
     adaptive: bool = True  # choose K each cycle from measured costs and acceptance
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
     draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
-    proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto"
-    min_mapped_mass: float = 0.5  # "auto" picks intersection when >= this share of the draft vocabulary maps
+    proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto" (chosen each cycle)
+    min_mapped_mass: float = 0.5  # "auto" starts with intersection when >= this share of the draft vocabulary maps
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
     compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
     tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
@@ -134,6 +134,9 @@ class GenerationStats:
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals (tree nodes) each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
     pruned_nodes: int = 0  # token trees: drafted nodes left out of verification as not worth their cost
+    proposal_cycles: dict[str, int] = field(default_factory=dict)  # cycles per proposal kind (proposal="auto" mixes)
+    # proposal="auto": each kind's expected accepted tokens per cycle, as the chooser last estimated them
+    proposal_estimates: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_accepted_in_a_cycle(self) -> int:

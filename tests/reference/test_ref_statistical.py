@@ -5,9 +5,9 @@ that the correct one passes the chi-square test at ALPHA while the wrong one fai
 so no test here can pass by having no power.
 
 Budget (see reference/chisquare.py): the project allows a false-failure probability of 1e-3 for a
-full tox run. This file claims REFERENCE_BUDGET = 2e-4 of it for NUM_STATISTICAL_TESTS = 11 tests
+full tox run. This file claims REFERENCE_BUDGET = 2e-4 of it for NUM_STATISTICAL_TESTS = 12 tests
 (counting parametrizations), so each correct-sampler check runs at
-ALPHA = 2e-4 / 11 = 1.82e-5. The negative controls do not spend budget: they are expected to fail,
+ALPHA = 2e-4 / 12 = 1.67e-5. The negative controls do not spend budget: they are expected to fail,
 and a control that passed would be a test failure caused by too little power, not by chance on
 a correct sampler. ``test_statistical_test_count_matches_the_budget`` keeps the count honest.
 
@@ -41,7 +41,7 @@ from reference.exact import (
 from reference.rejection import map_proposal, onehot_block, sample_race, speculative_block
 
 REFERENCE_BUDGET = 2e-4  # this file's share of chisquare.FALSE_FAILURE_BUDGET (1e-3)
-NUM_STATISTICAL_TESTS = 11
+NUM_STATISTICAL_TESTS = 12
 ALPHA = per_test_alpha(NUM_STATISTICAL_TESTS, budget=REFERENCE_BUDGET)
 
 NUM_DRAFT_TOKENS, VOCAB_SIZE = 3, 6
@@ -296,6 +296,36 @@ def test_speculative_generate_onehot_proposal_matches_target(num_draft_tokens):
     check_samples_with_control(
         exact, correct, wrong, f"one-hot proposal, K={num_draft_tokens} (control: guess kept)"
     )
+
+
+def choose_from_history(generated, drafted):
+    """A chooser that sees only the past (as xtokspec's proposal="auto"): the kind flips with the last token."""
+    return "onehot" if generated and generated[-1] % 2 else "full"
+
+
+def choose_peeking(generated, drafted):
+    """WRONG: picks the kind from the block's own first draft token."""
+    return "full" if drafted[0] == 0 else "onehot"
+
+
+@pytest.mark.stats
+def test_speculative_generate_with_a_chooser_matches_target():
+    """Kinds chosen block by block from the history: still the target's law (proof: speculative_generate)."""
+    target_lm, draft_lm = table_lms(seed=80)
+    assert_drafts_partly_accepted(target_lm, draft_lm)
+    exact = sequence_distribution(target_lm, PREFIX, LENGTH)
+    rng = np.random.default_rng(81)
+    correct = [
+        speculative_generate(target_lm, draft_lm, PREFIX, LENGTH, 2, rng, proposal=choose_from_history)
+        for _ in range(NUM_SEQUENCES)
+    ]
+    wrong = [
+        speculative_generate(target_lm, draft_lm, PREFIX, LENGTH, 2, rng, proposal=choose_peeking)
+        for _ in range(NUM_SEQUENCES)
+    ]
+    kinds = {choose_from_history(s[:i], ()) for s in correct for i in range(len(s))}
+    assert kinds == {"full", "onehot"}, kinds  # both kinds were chosen
+    check_samples_with_control(exact, correct, wrong, "kinds chosen from the history (control: chooser peeks)")
 
 
 # --- the chi-square helper itself -----------------------------------------------------------------
