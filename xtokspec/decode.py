@@ -471,13 +471,14 @@ class _Run:
             static = "intersection" if spec.token_map.mapped_draft_share >= config.min_mapped_mass else "onehot"
             self.chooser = ProposalChooser(static)
             self.kind = static
-            where = self._target_logits_device()
-            self.estimate_map = torch.tensor(spec.token_map.draft_to_target, device=where)  # (Vd,)
-            self.estimate_first = spec.first_pieces.to(where)  # (Vd,)
         self.first_row = None  # the chooser's q: the draft's distribution at a cycle's first position
         if self.kind == "intersection" or self.chooser:
             self.draft_to_target = torch.tensor(spec.token_map.draft_to_target, device=input_device(spec.draft_model))  # (Vd,)
             self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
+        if self.chooser:  # the chooser scores on the target's device
+            where = self._target_logits_device()
+            self.estimate_map = self.draft_to_target.to(where)  # (Vd,)
+            self.estimate_first = spec.first_pieces.to(where)  # (Vd,)
 
     @staticmethod
     def _generator(model, seed: int) -> torch.Generator:
@@ -528,7 +529,7 @@ class _Run:
         target.ids.append(next_token)
         self._resync(draft, drafted, new_ids)
         used = self.kind
-        if self.chooser and self.first_row is not None and target_probs is not None:
+        if self.chooser and self.first_row is not None:  # a sampled cycle: target_probs is there
             self._choose(target_probs[0], self.first_row.to(target_probs.device), num_accepted)
         t4 = time.perf_counter()
         self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,

@@ -64,19 +64,25 @@ def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device
     return torch.empty(shape, device=device).exponential_(generator=generator)
 
 
+def _mapped(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, target_vocab_size: int):
+    """(..., Vd) draft distributions -> ((..., Vt) their mass on mapped ids moved onto the target vocabulary and
+    renormalised, zeros where none is mapped; (..., 1) the mapped mass). No host sync."""
+    restricted = draft_probs * (draft_to_target >= 0)  # (..., Vd)
+    mass = restricted.sum(dim=-1, keepdim=True)  # (..., 1)
+    out = torch.zeros(*draft_probs.shape[:-1], target_vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
+    out.index_add_(-1, draft_to_target.clamp(min=0), restricted / torch.where(mass > 0, mass, 1.0))  # (..., Vt)
+    return out, mass
+
+
 def map_to_target(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
     """(K, Vd) draft distributions restricted to mapped ids -> (K, Vt) proposal distributions.
 
     draft_to_target (Vd,) holds the target id with the same bytes, or -1. Several draft ids may map to one
     target id; their mass adds up. Rows are renormalised over the mapped ids.
     """
-    mapped = draft_to_target >= 0  # (Vd,)
-    restricted = draft_probs * mapped  # (K, Vd)
-    mass = restricted.sum(dim=-1, keepdim=True)  # (K, 1)
+    out, mass = _mapped(draft_probs, draft_to_target, target_vocab_size)
     if bool((mass <= 0).any()):
         raise XTokSpecError("the draft put no probability on tokens that exist in the target vocabulary")
-    out = torch.zeros(draft_probs.shape[0], target_vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
-    out.index_add_(1, draft_to_target.clamp(min=0), restricted / mass)  # (K, Vt)
     return out
 
 
@@ -84,11 +90,9 @@ def intersection_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tenso
                             draft_to_target: torch.Tensor) -> torch.Tensor:
     """Chance that the intersection proposal is accepted at one position: sum_v min(p(v), Q(v)), with Q the draft's
     (Vd,) distribution restricted to mapped ids and moved onto the target's (Vt,) vocabulary; 0 when no mapped id
-    has mass. A 0-dim tensor (no host transfer)."""
-    mapped = draft_probs * (draft_to_target >= 0)  # (Vd,)
-    mass = mapped.sum()
-    q = torch.zeros_like(target_probs).index_add_(0, draft_to_target.clamp(min=0), mapped / mass.clamp(min=1e-30))
-    return torch.minimum(target_probs, q).sum() * (mass > 0)
+    has mass (Q is then all zeros). A 0-dim tensor (no host transfer)."""
+    q, _ = _mapped(draft_probs, draft_to_target, target_probs.shape[-1])
+    return torch.minimum(target_probs, q).sum()
 
 
 def onehot_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, first_piece: torch.Tensor) -> torch.Tensor:
