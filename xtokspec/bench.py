@@ -116,6 +116,23 @@ def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu") -> Models:
     return models
 
 
+def calibration_texts(limit: int = 3000) -> list[str]:
+    """Text to choose a trimmed draft vocabulary from (`--draft-vocab`), none of it a benchmark prompt: the first
+    `limit` paragraphs of the fixtures' held-out Japanese (man pages) and `limit` paragraphs of English and code
+    from this Python's standard library sources (the real target is a coder model), in a fixed order."""
+    import sysconfig
+
+    japanese = (fixtures_dir() / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
+    japanese = [line for line in japanese if len(line) > 20][:limit]
+    english: list[str] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        english += [block for block in path.read_text(encoding="utf-8", errors="ignore").split("\n\n")
+                    if 80 < len(block) < 2000]
+        if len(english) >= limit:
+            break
+    return japanese + english[:limit]
+
+
 def sampling_kwargs(mode: str) -> dict:
     if mode == "greedy":
         return {"do_sample": False}
