@@ -279,6 +279,9 @@ class XTokSpec:
         each draft step cheaper (FR-Spec, Zhao et al. 2025). The output stays lossless whatever is kept: the draft
         only proposes, and the verifier is given the trimmed draft's own distributions (BENCHMARKS.md).
         """
+        if self.draft_model is not self._full_draft_model:
+            # NOTE: compiled steps are keyed by id(model); the old view is dropped here, and a new one could reuse its id
+            self._steps.pop(id(self.draft_model), None)
         self.draft_model = self._full_draft_model
         self.draft_vocab = None
         if texts is None:
