@@ -52,6 +52,18 @@ def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its
     assert not any(a.endswith("-all") for a, _ in pairs)  # the unpruned tree only as the baseline of its twin
 
 
+def test_trimmed_head_systems_are_compared_with_their_full_head_twins():
+    from xtokspec.bench import tree_pairs, trim_pairs
+
+    names = ["xtokspec-bridged", "xtokspec-bridged-trim", "xtokspec-bridged-auto", "xtokspec-bridged-auto-trim",
+             "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-trim"]
+    assert trim_pairs(names) == [("xtokspec-bridged-trim", "xtokspec-bridged"),
+                                 ("xtokspec-bridged-auto-trim", "xtokspec-bridged-auto")]
+    assert set(tree_pairs(["xtokspec-bridged-tree4-trim"])) == {
+        ("xtokspec-bridged-tree4-trim", "xtokspec-bridged-tree4"),
+        ("xtokspec-bridged-tree4-trim", "xtokspec-bridged-auto-trim")}
+
+
 def test_eos_check_flags_a_sampler_that_never_stops_and_passes_an_equal_one():
     target = _runs("target", [1.0] * 12, "T=0.7", [True] * 10 + [False] * 2)
     never = _runs("never-stops", [1.0] * 12, "T=0.7", [False] * 12)
@@ -92,7 +104,7 @@ def test_markdown_table_has_one_line_per_row_and_the_eos_column():
 @pytest.mark.slow
 def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
     assert main(["bench", "--prompts", "1", "--max-new-tokens", "8", "--modes", "greedy", "T=0.7",
-                 "--threads", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+                 "--threads", "1", "--out", str(tmp_path), "--no-progress", "--draft-vocab", "2048"]) == 0
     results = json.loads((tmp_path / "fixtures" / "results.json").read_text())
     systems = {(r["mode"], r["system"]) for r in results["summary"]}
     for mode in ("greedy", "T=0.7"):
@@ -103,6 +115,9 @@ def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
         assert stats["rejections"] <= stats["target_forwards"] == len(stats["proposal_lengths"])
         assert stats["token_acceptance"] >= stats["acceptance_rate"]
     assert any(c["a"] == "xtokspec-same" and c["b"] == "hf-assisted" for c in results["comparisons"])
+    assert {("greedy", "xtokspec-bridged-trim"), ("T=0.7", "xtokspec-bridged-auto-trim"),
+            ("T=0.7", "xtokspec-bridged-tree4-trim")} <= systems  # --draft-vocab: the trimmed head's twins
+    assert any(c["a"] == "xtokspec-bridged-trim" and c["b"] == "xtokspec-bridged" for c in results["comparisons"])
     assert (tmp_path / "fixtures" / "speedup.png").stat().st_size > 0
     assert (tmp_path / "fixtures" / "speedup_vs_temperature.png").stat().st_size > 0
     assert "xtokspec-bridged" in capsys.readouterr().out

@@ -140,9 +140,11 @@ def sampling_kwargs(mode: str) -> dict:
 
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
-                  spec_static=None, tree_widths=(), spec_tree_all=None) -> dict:
+                  spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
-    (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified."""
+    (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified.
+    `spec_trim` (the bridged draft with a trimmed output head, XTokSpec.trim_draft_vocab) adds a `-trim` twin of
+    the bridged greedy chain, the auto sampler and each tree."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
 
@@ -174,6 +176,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             systems[name] = ours(spec_cross, tree_width=width)
             if spec_tree_all:
                 systems[name + "-all"] = ours(spec_tree_all, tree_width=width)
+            if spec_trim:
+                systems[name + "-trim"] = ours(spec_trim, tree_width=width)
 
     static = spec_static or {}
     if models.draft_same:
@@ -190,10 +194,14 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
             systems[f"xtokspec-{models.cross_label}-auto"] = ours(spec_cross, proposal="auto")
+            if spec_trim:
+                systems[f"xtokspec-{models.cross_label}-auto-trim"] = ours(spec_trim, proposal="auto")
             add_trees()  # token trees (one-hot candidates)
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
+            if spec_trim:
+                systems[f"xtokspec-{models.cross_label}-trim"] = ours(spec_trim)
             add_trees()
             if "cross" in static:
                 systems[f"xtokspec-{models.cross_label}-static"] = ours(static["cross"])
@@ -205,8 +213,10 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
-                  tree_unpruned: bool = False) -> list[Run]:
-    """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always)."""
+                  tree_unpruned: bool = False, draft_vocab: int = 0) -> list[Run]:
+    """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
+    `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
+    `calibration_texts()`."""
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
@@ -220,6 +230,10 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     spec_extra = {label: (pair, XTokSpec(models.target, pair)) for label, pair in models.extra_cross.items()}
     spec_tree_all = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(prune_tree=False))
                      if tree_unpruned and models.draft_cross else None)
+    spec_trim = None
+    if draft_vocab and models.draft_cross:
+        spec_trim = XTokSpec(models.target, models.draft_cross)
+        print(spec_trim.trim_draft_vocab(calibration_texts(), draft_vocab).describe(), flush=True)
     static = SpecConfig(cache="static")
     spec_static = {key: XTokSpec(models.target, pair, config=static)
                    for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
@@ -231,7 +245,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
     every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
-                              spec_tree_all) for m in modes}
+                              spec_tree_all, spec_trim) for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
@@ -389,16 +403,24 @@ def tree_pairs(names) -> list[tuple[str, str]]:
         if shape.endswith("-all"):  # the unpruned tree: against its pruned twin only
             out.append((name.removesuffix("-all"), name))
             continue
+        if shape.endswith("-trim"):  # the trimmed draft head: against the full head, and the trimmed auto chain
+            out += [(name, name.removesuffix("-trim")), (name, base + "-auto-trim")]
+            continue
         out += [(name, base), (name, base + "-intersection"), (name, base + "-onehot"), (name, base + "-auto"),
                 (name, "xtokspec-same")]
     return out
+
+
+def trim_pairs(names) -> list[tuple[str, str]]:
+    """Each chain with a trimmed draft head (`-trim`) against the same chain with the full head."""
+    return [(name, name.removesuffix("-trim")) for name in names if name.endswith("-trim") and "-tree" not in name]
 
 
 def comparisons(runs: list[Run]) -> list[dict]:
     out = []
     names = sorted({r.system for r in runs})
     for mode in dict.fromkeys(r.mode for r in runs):
-        for a, b in PAIRS + tree_pairs(names):
+        for a, b in PAIRS + tree_pairs(names) + trim_pairs(names):
             result = paired(runs, mode, a, b)
             if result:
                 out.append(result)
@@ -516,7 +538,7 @@ def main_bench(args: argparse.Namespace) -> int:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
-                         tree_unpruned=args.tree_unpruned)
+                         tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
@@ -538,6 +560,9 @@ def add_bench_parser(sub) -> None:
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
     bench.add_argument("--tree-unpruned", action="store_true",
                        help="beside each tree system, the same tree with every drafted node verified (-tree{W}-all)")
+    bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                       help="add -trim systems: the bridged draft's output head trimmed to the N ids most frequent in "
+                            "calibration text (fixtures' held-out Japanese and Python stdlib source; 0: none)")
     bench.add_argument("--systems", nargs="*", default=[], metavar="NAME",
                        help="run only these systems (and the target alone); default: all")
     bench.add_argument("--out", default="benchmarks")
