@@ -21,7 +21,7 @@ import reference
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 13  # statistical tests in this file (test_budget_count checks it)
+NUM_TESTS = 14  # statistical tests in this file (test_budget_count checks it)
 ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 6.2e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
@@ -459,6 +459,79 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
     assert control.rejected, f"negative control (kind chosen from the cycle's draws) passed (p={control.pvalue:.3g})"
     print(f"switching kinds (N={SWITCH_RUNS}): p={result.pvalue:.3g}, switched share {switched:.2f}; "
           f"peeking control p={control.pvalue:.3g}")
+
+
+# ---------------------------------------------------------------- E. a trimmed draft head (intersection)
+# XTokSpec.trim_draft_vocab gives the draft a head that scores only some ids (-inf elsewhere). It stays lossless
+# because the verifier is told the distribution the draft drew from, trimmed. This case trims away draft ids
+# where they carry mass on this prompt's paths (measured on the v2.1 fixtures, draft warped to its top 3):
+# " が" has 0.20 of the first proposal's mass, and " 2", " 0" have 0.12 of the second's after " は" (the path
+# that reaches a second proposal; trimming " は" or "、" itself would leave no run that does).
+# The control is the bug a trim could bring: the draft draws among the kept ids while the verifier is told the
+# full head's distribution. Its power comes from the first proposal (p=6.9e-43 at N=1000); with only " 2" and
+# " 0" trimmed (the second proposal's share) the same control gives p=0.059 at N=1000 and 0.55 at N=2000, since
+# the target puts little mass there, so this case does not show the second row separately. The trimmed head
+# scores every row of every draft forward alike (test_draft_vocab.py checks the logits).
+TRIM_CASE = ("dynamic", "intersection", "t1.0-k3")
+TRIM_RUNS = 1000
+TRIMMED_TOKENS = (" が", " 2", " 0")
+MIN_TRIMMED_MASS = 0.1  # of the full head's warped mass at the first and at the second proposal
+
+
+def trimmed_keep(spec) -> torch.Tensor:
+    """(n,) ascending: every draft id except TRIMMED_TOKENS's."""
+    dropped = {piece.encode() for piece in TRIMMED_TOKENS}
+    keep = [i for i, b in enumerate(spec.draft.token_bytes) if b not in dropped]
+    assert spec.draft.vocab_size - len(keep) == len(TRIMMED_TOKENS)
+    return torch.tensor(keep)
+
+
+def draws_trimmed_only(keep: torch.Tensor, draft_vocab: int):
+    """WRONG: the draft draws among the kept ids only, but the rows it hands to the verifier are the full head's."""
+    race = sampling.race
+    mask = torch.zeros(draft_vocab, dtype=torch.bool)
+    mask[keep] = True
+
+    def flawed(probs, noise):
+        if probs.shape[-1] == draft_vocab:  # the draft's draws (the target's vocabulary has another size)
+            probs = probs * mask.to(probs.device)
+        return race(probs, noise)
+
+    return flawed
+
+
+@pytest.mark.stats
+@pytest.mark.slow
+def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, monkeypatch):
+    from xtokspec import XTokSpec
+    from xtokspec.models import trimmed_draft
+
+    prompt = PROMPTS[TRIM_CASE[1:]]
+    keep = trimmed_keep(bridged_spec)
+    draft_vocab = bridged_spec.draft.vocab_size
+    assert draft_vocab != bridged_spec.target.vocab_size  # the control tells draws from the target's by size
+    trimmed = XTokSpec(ja_target, (trimmed_draft(bridged_spec.draft_model, keep), bridged_spec.draft_tokenizer))
+    params = trimmed.sampling_params(do_sample=True, **SETTINGS[TRIM_CASE[2]])
+    draft_ids = bridged_spec.draft_prompt_ids(bridged_spec.target_tokenizer(prompt)["input_ids"])
+    second = bridged_spec.draft.tokenizer(" は", add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        logits = bridged_spec.draft_model(input_ids=torch.tensor([draft_ids + second])).logits[0]
+    full = sampling.logits_to_probs(logits[[len(draft_ids) - 1, -1]], sampling.build_warpers(params))  # (2, Vd)
+    dropped = 1 - full[:, keep].sum(-1)  # (2,)
+    assert (dropped >= MIN_TRIMMED_MASS).all(), f"the trim drops only {dropped.tolist()} of the mass: no power"
+    exact = exact_continuations(*ja_target, prompt, params, LENGTH, trimmed.target_eos)
+    samples, deep_share = sample_continuations(trimmed, SETTINGS[TRIM_CASE[2]], "intersection", prompt, TRIM_RUNS)
+    assert deep_share >= MIN_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle"
+    result = reference.assert_samples_match(samples, exact, ALPHA, "trimmed draft head")
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "race", draws_trimmed_only(keep, draft_vocab))
+        wrong, _ = sample_continuations(bridged_spec, SETTINGS[TRIM_CASE[2]], "intersection", prompt, TRIM_RUNS)
+    counts, probs, _labels = reference.count_samples(wrong, exact)
+    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+    assert control.rejected, f"negative control (draws trimmed, q full) passed (p={control.pvalue:.3g})"
+    print(f"trimmed head (mass dropped at the first / second proposal: {dropped[0]:.2f} / {dropped[1]:.2f}; "
+          f"N={TRIM_RUNS}): p={result.pvalue:.3g}, deep share {deep_share:.2f}; "
+          f"draws-trimmed-q-full control p={control.pvalue:.3g}")
 
 
 def _statistical_test_count() -> int:
