@@ -23,6 +23,18 @@ def test_stream_and_sampling_flags(capsys, ja_target):
     assert out.strip() and ("intersection" in err or "onehot" in err)
 
 
+@pytest.mark.slow
+def test_generate_with_a_trimmed_draft_head_gives_the_same_text(capsys, ja_target):
+    from model_helpers import FIXTURES
+
+    args = ["generate", "自然言語処理とは何か", "--max-new-tokens", "24", "--dtype", "float32"]  # float32: a bf16 near-tie could part the two
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    assert main([*args, "--draft-vocab", "2048", "--calibration", str(FIXTURES / "data" / "heldout.txt")]) == 0
+    out, err = capsys.readouterr()
+    assert out == full and "draft head trimmed to 2048 of 8192 ids" in err and "[head: 2048 of 8192 ids]" in err
+
+
 def test_bad_input_exits_2_with_a_message(capsys):
     assert main(["generate", "", "--max-new-tokens", "4"]) == 2
     assert "xtokspec: error: prompt is empty" in capsys.readouterr().err
@@ -79,6 +91,10 @@ def no_models(monkeypatch):
         ([], "no prompt: give it as an argument, '-' to read stdin, or --prompt-file"),
         (["東京", "--prompt-file", "x.txt"], "either as an argument or with --prompt-file, not both"),
         (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file"),
+        (["東京", "--draft-vocab", "2048"], "--draft-vocab needs --calibration FILE"),
+        (["東京", "--draft-vocab", "0", "--calibration", "x.txt"], "--draft-vocab must be a positive integer"),
+        (["東京", "--calibration", "x.txt"], "give --draft-vocab too"),
+        (["東京", "--draft-vocab", "2048", "--calibration", "/no/such/text.txt"], "cannot read --calibration"),
     ],
 )
 def test_bad_input_is_named_before_any_model_loads(no_models, capsys, args, message):

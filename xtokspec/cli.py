@@ -51,6 +51,26 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def _calibration(args: argparse.Namespace) -> list[str] | None:
+    """--calibration's non-empty lines (for --draft-vocab), or None when the head is not trimmed."""
+    if args.draft_vocab is None:
+        if args.calibration is not None:
+            raise XTokSpecError("--calibration is the text --draft-vocab N chooses ids from: give --draft-vocab too")
+        return None
+    if args.draft_vocab <= 0:
+        raise XTokSpecError(f"--draft-vocab must be a positive integer, got {args.draft_vocab}")
+    if args.calibration is None:
+        raise XTokSpecError("--draft-vocab needs --calibration FILE: text in the domain you will generate "
+                            "(one document or paragraph per line)")
+    try:
+        lines = [line for line in Path(args.calibration).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise XTokSpecError(f"cannot read --calibration {args.calibration!r}: {err}") from None
+    if not lines:
+        raise XTokSpecError(f"--calibration {args.calibration!r} has no text")
+    return lines
+
+
 def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
     """(do_sample, notes): --temperature/--top-k/--top-p imply --sample; --temperature 0 means greedy."""
     given = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None]
@@ -70,6 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
         raise XTokSpecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     do_sample, notes = _sampling(args)
+    calibration = _calibration(args)
     if do_sample:
         SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
@@ -91,6 +112,8 @@ def _generate(args: argparse.Namespace) -> int:
         large_kwargs=_load_kwargs(args.dtype, args.target_device),
         small_kwargs=_load_kwargs(args.dtype, args.draft_device),
     )
+    if calibration is not None:
+        print(f"[xtokspec] {spec.trim_draft_vocab(calibration, args.draft_vocab).describe()}", file=sys.stderr)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed,
                   temperature=None if do_sample is False else args.temperature, top_k=args.top_k, top_p=args.top_p)
     stats = GenerationStats()
@@ -148,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "Python API load it (bfloat16 for the bundled models)")
     gen.add_argument("--target-device", default=None, help="e.g. cuda:0, or auto (accelerate device_map)")
     gen.add_argument("--draft-device", default=None, help="e.g. cpu or cuda:0")
+    gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                     help="trim the draft's output head to N ids, the most frequent in --calibration (a cheaper "
+                     "draft step for large-vocabulary drafts; the output is unchanged; see README)")
+    gen.add_argument("--calibration", default=None, metavar="FILE",
+                     help="UTF-8 text in the domain you will generate, one document per line (for --draft-vocab)")
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")
     gen.set_defaults(func=_generate)
 
