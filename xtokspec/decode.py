@@ -272,12 +272,14 @@ class XTokSpec:
 
     def trim_draft_vocab(self, texts, size: int = 32768) -> DraftVocab | None:
         """Let the draft's output head compute only `size` ids: those most frequent in `texts` (calibration text
-        in the domain you will generate, e.g. a few hundred documents), plus EOS, special and single-byte ids.
-        `texts=None` restores the full head. -> what was kept.
+        like what you will generate, e.g. thousands of paragraphs, or the target's own outputs on your prompts),
+        plus EOS, special and single-byte ids. `texts=None` restores the full head. -> what was kept.
 
         For drafts whose head is a large share of a step (Gemma-3-270M: 262k ids, 42% of a CPU step), this makes
         each draft step cheaper (FR-Spec, Zhao et al. 2025). The output stays lossless whatever is kept: the draft
-        only proposes, and the verifier is given the trimmed draft's own distributions (BENCHMARKS.md).
+        only proposes, and the verifier is given the trimmed draft's own distributions. Out-of-domain text costs
+        acceptance wherever the target wants an id the head no longer scores (BENCHMARKS.md, "A trimmed draft
+        head": with man pages and Python source for general Japanese prompts, as much as the cheaper step gains).
         """
         if self.draft_model is not self._full_draft_model:
             # NOTE: compiled steps are keyed by id(model); the old view is dropped here, and a new one could reuse its id
