@@ -273,7 +273,7 @@ class XTokSpec:
     def trim_draft_vocab(self, texts, size: int = 32768) -> DraftVocab | None:
         """Let the draft's output head compute only `size` ids: those most frequent in `texts` (calibration text
         like what you will generate, e.g. thousands of paragraphs, or the target's own outputs on your prompts),
-        plus EOS, special and single-byte ids. `texts=None` restores the full head. -> what was kept.
+        plus EOS and single-byte ids. `texts=None` restores the full head. -> what was kept.
 
         For drafts whose head is a large share of a step (Gemma-3-270M: 262k ids, 42% of a CPU step), this makes
         each draft step cheaper (FR-Spec, Zhao et al. 2025). The output stays lossless whatever is kept: the draft
@@ -288,7 +288,7 @@ class XTokSpec:
         self.draft_vocab = None
         if texts is None:
             return None
-        vocab = choose_draft_vocab(self.draft, texts, size, self.draft_eos | self.draft.special_ids)
+        vocab = choose_draft_vocab(self.draft, texts, size, self.draft_eos)
         self.draft_model = trimmed_draft(self._full_draft_model, vocab.keep)
         self.draft_vocab = vocab
         return vocab

@@ -172,9 +172,10 @@ class DraftVocab:
 
 
 def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
-    """The `size` draft ids a trimmed head keeps: `always` (EOS and special ids), every single-byte token (so the
-    draft can still spell any text), then the ids most frequent in `texts` encoded by the draft's tokenizer
-    (FR-Spec, Zhao et al. 2025), then the lowest remaining ids (BPE vocabularies list earlier merges first).
+    """The `size` draft ids a trimmed head keeps: `always` (the EOS ids), every single-byte token (so the draft
+    can still spell any text), then the ids most frequent in `texts` encoded by the draft's tokenizer (FR-Spec,
+    Zhao et al. 2025), special tokens that occur in the text included, then the lowest remaining ids (BPE
+    vocabularies list earlier merges first). Other special ids are not kept: Gemma-3 has 6,242 `<unused…>` ids.
     `codec` is the draft's TokenCodec (xtokspec.bridge)."""
     if isinstance(texts, str):
         texts = [texts]
@@ -187,7 +188,7 @@ def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
     base = dict.fromkeys([*sorted(always), *(i for i, b in enumerate(codec.token_bytes) if len(b) == 1)])
     if size < len(base):
         raise XTokSpecError(
-            f"draft_vocab: size {size} is below the {len(base)} ids always kept (EOS, special and single-byte "
+            f"draft_vocab: size {size} is below the {len(base)} ids always kept (EOS and single-byte "
             "tokens): give a larger size"
         )
     counts = collections.Counter()
