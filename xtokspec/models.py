@@ -111,10 +111,9 @@ class TrimmedHead(torch.nn.Module):
                              persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # NOTE: 2-D first. A (1, 1, H) slice of a longer (1, T, H) has strides (T*H, H, 1), and torch 2.13's CPU
-        # linear with such an input and a weight that is not a Parameter runs 10-40x slower (bf16; measured:
-        # 36 ms instead of 2 ms for 32k ids) -- the slice HF models take with logits_to_keep=1 after a multi-token
-        # feed.
+        # NOTE: 2-D first. HF models pass the head a slice of the last k < T positions of (1, T, H) after a
+        # multi-token feed, and torch 2.13's CPU bf16 linear with such an input and a weight that does not require
+        # grad (this buffer) runs ~20x slower: 59 ms instead of 3 ms for 32k ids (benchmarks/torch_linear_strided.py).
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.device)  # (N, H)
         kept = torch.nn.functional.linear(flat, self.weight, self.bias)  # (N, n)
         full = kept.new_full((kept.shape[0], self.vocab_size), float("-inf")).index_copy_(1, self.keep, kept)
