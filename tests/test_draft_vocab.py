@@ -135,3 +135,24 @@ def test_trimmed_draft_greedy_equals_target(tree_width, trimmed_spec, ja_target,
     stats = [spec.generate(p, max_new_tokens=NEW_TOKENS).stats for p in heldout_prompts[:4]]
     # the trimmed draft is still used (a draft that never matches would pass the equality above)
     assert sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats) > 1.1
+
+
+def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe):
+    """torch 2.13's CPU bf16 linear is ~20x slower for a head weight that does not require grad
+    (benchmarks/torch_linear_strided.py): XTokSpec says so, naming the model; an unfrozen one is not warned about."""
+    import copy
+    import warnings
+
+    from model_helpers import load_fixture_model
+
+    from xtokspec import XTokSpec
+
+    model, tokenizer = load_fixture_model("ja-target")
+    model = model.to(torch.bfloat16)
+    draft = (copy.deepcopy(ja_draft_bpe[0]), ja_draft_bpe[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        XTokSpec((model, tokenizer), draft)  # as loaded: weights require grad
+    model.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"target \(large\): the output head's weight does not require grad"):
+        XTokSpec((model, tokenizer), draft)

@@ -28,7 +28,7 @@ import torch
 from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
 from .cache import ModelState, choose_backend, compile_step, input_device, select_rows, sliding_layers
-from .models import DraftVocab, choose_draft_vocab, load, trimmed_draft
+from .models import DraftVocab, choose_draft_vocab, frozen_head_note, load, trimmed_draft
 from .types import (
     GenerationResult,
     GenerationStats,
@@ -246,6 +246,10 @@ class XTokSpec:
         self.draft_model, self.draft_tokenizer = load(small, "draft (small)", **(small_kwargs or {}))
         self.target = TokenCodec(self.target_tokenizer, self.target_model.config.vocab_size, "target tokenizer")
         self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, "draft tokenizer")
+        for model, role in ((self.target_model, "target (large)"), (self.draft_model, "draft (small)")):
+            note = frozen_head_note(model, role)
+            if note:
+                warnings.warn(note, UserWarning, stacklevel=2)
         self.target_eos = _eos_ids(self.target_model, self.target_tokenizer)
         self.draft_eos = _eos_ids(self.draft_model, self.draft_tokenizer)
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()

@@ -93,6 +93,21 @@ def load(spec, role: str, **load_kwargs):
     return model.eval(), tokenizer
 
 
+def frozen_head_note(model, role: str) -> str | None:
+    """A warning's text when `model` would hit torch 2.13's slow CPU bf16 linear in its output head: a head weight
+    that does not require grad, given the slice of hidden states HF heads get (~20x slower; BENCHMARKS.md)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if weight.requires_grad:
+        return None
+    return (f"{role}: the output head's weight does not require grad (frozen with requires_grad_(False)?); on a CPU "
+            "in bfloat16, torch's linear then runs ~20x slower on the hidden-state slices the head is given "
+            f"(benchmarks/torch_linear_strided.py). Unfreeze it ({role.split()[0]}_model.requires_grad_(True)): "
+            "xtokspec needs no gradients and runs under torch.inference_mode")
+
+
 # ---------------------------------------------------------------- the draft's output head, trimmed
 class TrimmedHead(torch.nn.Module):
     """Replaces a draft's output head: logits for the `keep` ids only (one matmul over those rows), scattered into
