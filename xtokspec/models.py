@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import difflib
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -210,11 +211,7 @@ def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
         counts.update(ids)
     ranked = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if i < vocab]
     chosen = dict(base)
-    for i in ranked:
-        if len(chosen) >= size:
-            break
-        chosen.setdefault(i)
-    for i in range(vocab):
+    for i in itertools.chain(ranked, range(vocab)):  # the calibration's ids by frequency, then the lowest ids
         if len(chosen) >= size:
             break
         chosen.setdefault(i)
