@@ -115,6 +115,10 @@ def test_trim_and_restore(ja_target, ja_draft_bpe, heldout_prompts):
     assert spec.draft_model is not full and spec.draft_vocab is vocab
     assert "[head: 2000 of 8192 ids]" in spec.describe()
     assert spec.trim_draft_vocab(heldout_prompts[:40], 3000).keep.numel() == 3000  # re-trims from the full head
+    trimmed = spec.draft_model
+    with pytest.raises(XTokSpecError, match="below the"):
+        spec.trim_draft_vocab(heldout_prompts[:40], 10)
+    assert spec.draft_model is trimmed and spec.draft_vocab.keep.numel() == 3000  # bad input changed nothing
     assert spec.trim_draft_vocab(None) is None
     assert spec.draft_model is full and spec.draft_vocab is None and "[head" not in spec.describe()
 

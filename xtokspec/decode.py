@@ -285,16 +285,13 @@ class XTokSpec:
         acceptance wherever the target wants an id the head no longer scores (BENCHMARKS.md, "A trimmed draft
         head": with man pages and Python source for general Japanese prompts, as much as the cheaper step gains).
         """
+        # NOTE: both may raise; nothing has changed yet, so bad input keeps the head as it was
+        vocab = None if texts is None else choose_draft_vocab(self.draft, texts, size, self.draft_eos)
+        model = self._full_draft_model if vocab is None else trimmed_draft(self._full_draft_model, vocab.keep)
         if self.draft_model is not self._full_draft_model:
             # NOTE: compiled steps are keyed by id(model); the old view is dropped here, and a new one could reuse its id
             self._steps.pop(id(self.draft_model), None)
-        self.draft_model = self._full_draft_model
-        self.draft_vocab = None
-        if texts is None:
-            return None
-        vocab = choose_draft_vocab(self.draft, texts, size, self.draft_eos)
-        self.draft_model = trimmed_draft(self._full_draft_model, vocab.keep)
-        self.draft_vocab = vocab
+        self.draft_model, self.draft_vocab = model, vocab
         return vocab
 
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
