@@ -27,7 +27,15 @@ import torch
 
 from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
-from .cache import ModelState, choose_backend, compile_step, input_device, select_rows, sliding_layers
+from .cache import (
+    ModelState,
+    choose_backend,
+    compile_step,
+    input_device,
+    select_rows,
+    sliding_layers,
+    to_device,
+)
 from .models import DraftVocab, choose_draft_vocab, frozen_head_note, load, trimmed_draft
 from .types import (
     GenerationResult,
@@ -694,7 +702,7 @@ class _Run:
         logits = target.forward(keep=len(proposals) + 1)  # (K+1, Vt)
         if not self.params.do_sample:
             return (*sampling.verify_greedy(logits, proposals), None)
-        proposal_ids = torch.tensor(proposals, dtype=torch.long, device=logits.device)  # (K,)
+        proposal_ids = to_device(proposals, logits.device)  # (K,)
         target_probs = sampling.logits_to_probs(logits, self.warpers)  # (K+1, Vt)
         gen = self.target_gen
         uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)
@@ -801,7 +809,7 @@ class _Run:
                 cache = draft.branches(len(rows))
             else:
                 select_rows(cache, rows)
-            tokens = torch.tensor([[t] for _, _, t in frontier], dtype=torch.long, device=draft.device)  # (B, 1)
+            tokens = to_device([[t] for _, _, t in frontier], draft.device)  # (B, 1)
             out = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True)
             steps += 1
             probs = self._tree_probs(out.logits[:, -1])  # (B, Vd)
