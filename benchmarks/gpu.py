@@ -40,8 +40,9 @@ from xtokspec.cache import COMPILE_BUCKETS, ModelState, compile_step  # noqa: E4
 from xtokspec.types import expected_tokens  # noqa: E402
 
 CONTEXT = 512
-REPS = 30
+REPS = 20
 VERIFY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+COMPILED_LENGTHS = (1, 2, 4, 8)  # one compiled bucket each
 
 
 def shapes(tiny: bool) -> dict[str, tuple]:
@@ -97,14 +98,15 @@ def timed(fn, device: str, reps: int) -> float:
 
 
 @torch.inference_mode()
-def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str) -> dict[int, float]:
+def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
+                   lengths: tuple[int, ...] = VERIFY_LENGTHS) -> dict[int, float]:
     """m -> seconds of a forward over m new ids after a CONTEXT-token context (rolled back after each call)."""
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (CONTEXT + 32,)).tolist()
     state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, compile_step(model) if compiled else None)
     state.forward(keep=1)  # the context
     costs = {}
-    for m in VERIFY_LENGTHS:
+    for m in lengths:
         def call(m=m):
             state.ids.extend(ids[CONTEXT : CONTEXT + m])
             state.forward(keep=m)
@@ -119,9 +121,12 @@ def measure_pair(name: str, target_config, draft_config, device: str, reps: int)
     for role, config in (("target", target_config), ("draft", draft_config)):
         model = build(config, device, dtype)
         out[f"{role}_params"] = sum(p.numel() for p in model.parameters())
+        # compiling costs ~30 s per bucket at the 13B shape: the draft needs only its one-token step compiled,
+        # the target the buckets of typical verifications
+        lengths = COMPILED_LENGTHS if role == "target" else (1,)
         out[f"{role}_eager"] = per_call_costs(model, device, reps, compiled=False, backend="dynamic")
         out[f"{role}_static"] = per_call_costs(model, device, reps, compiled=False, backend="static")
-        out[f"{role}_compiled"] = per_call_costs(model, device, reps, compiled=True, backend="static")
+        out[f"{role}_compiled"] = per_call_costs(model, device, reps, compiled=True, backend="static", lengths=lengths)
         print(f"{name} {role}: {out[f'{role}_params'] / 1e9:.2f} B params; 1-token step eager "
               f"{out[f'{role}_eager'][1] * 1e3:.2f} ms, compiled {out[f'{role}_compiled'][1] * 1e3:.2f} ms", flush=True)
         del model
@@ -135,9 +140,14 @@ def measure_pair(name: str, target_config, draft_config, device: str, reps: int)
 
 
 def verify_cost(costs: dict, m: int) -> float:
-    """Linear interpolation of the measured verification costs at m proposals (+1 for the bonus row)."""
+    """Linear interpolation of the measured verification costs at m proposals (+1 for the bonus row); beyond
+    the longest measured, the line through the last two."""
     xs = sorted(costs)
-    n = min(max(m + 1, xs[0]), xs[-1])
+    n = max(m + 1, xs[0])
+    if n > xs[-1] and len(xs) > 1:
+        a, b = xs[-2], xs[-1]
+        return costs[b] + (costs[b] - costs[a]) * (n - b) / (b - a)
+    n = min(n, xs[-1])
     lo = max(x for x in xs if x <= n)
     hi = min(x for x in xs if x >= n)
     return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
@@ -204,10 +214,12 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "reps": args.reps, "tiny": args.tiny, "buckets": COMPILE_BUCKETS}
     overhead = (args.overhead_ms or 0.0) / 1e3
-    pairs = [measure_pair(name, *shapes(args.tiny)[name], args.device, args.reps) for name in args.pairs]
-    predictions = {p["pair"]: predict(p, ROOT / "benchmarks" / "real" / "results.json", overhead) for p in pairs}
-    (out / "gpu.json").write_text(json.dumps({"meta": meta, "pairs": pairs, "predictions": predictions}, indent=1))
-    (out / "gpu.md").write_text(markdown(meta, pairs, predictions))
+    pairs, predictions = [], {}
+    for name in args.pairs:  # written after each pair, so that a run stopped at its time limit keeps the first
+        pairs.append(measure_pair(name, *shapes(args.tiny)[name], args.device, args.reps))
+        predictions[name] = predict(pairs[-1], ROOT / "benchmarks" / "real" / "results.json", overhead)
+        (out / "gpu.json").write_text(json.dumps({"meta": meta, "pairs": pairs, "predictions": predictions}, indent=1))
+        (out / "gpu.md").write_text(markdown(meta, pairs, predictions))
     print((out / "gpu.md").read_text())
 
 

@@ -15,11 +15,12 @@ def gpu():
     return load_script("benchmarks/gpu.py")
 
 
-def test_verify_cost_interpolates_and_clamps(gpu):
+def test_verify_cost_interpolates_and_extrapolates(gpu):
     costs = {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}
     assert gpu.verify_cost(costs, 0) == 10.0  # m proposals + the bonus row
     assert gpu.verify_cost(costs, 2) == pytest.approx(12.0)  # 3 rows: between 2 and 4
-    assert gpu.verify_cost(costs, 20) == 17.0  # beyond the measured range: the largest
+    assert gpu.verify_cost(costs, 11) == pytest.approx(21.0)  # 12 rows: the line through 4 and 8, not 8's cost
+    assert gpu.verify_cost({1: 10.0}, 5) == 10.0  # one point: no line to follow
 
 
 def test_prediction_is_eq1_over_the_cycles(gpu, tmp_path):
@@ -37,3 +38,21 @@ def test_shapes_are_the_published_ones(gpu):
     target, draft = gpu.shapes(tiny=False)["13b"]
     assert (target.n_layer, target.n_embd, target.n_head, target.vocab_size) == (40, 5120, 40, 50570)
     assert (draft.num_hidden_layers, draft.hidden_size, draft.vocab_size) == (12, 768, 52096)
+
+
+def test_loop_timer_brackets_every_model_call_and_restores(bridged_spec):
+    """gpu_loop.py's overhead is wall time minus the bracketed calls: on a CPU they are timed on the host, so the
+    bracketed time must be positive, below the wall time, and ModelState must be untouched afterwards."""
+    import time
+
+    from xtokspec.cache import ModelState
+
+    loop = load_script("benchmarks/gpu_loop.py")
+    before = {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS}
+    with loop.CallTimer("cpu") as timer:
+        start = time.perf_counter()
+        result = bridged_spec.generate("使用する C コンパイラが", max_new_tokens=8)
+        wall = time.perf_counter() - start
+    assert result.stats.target_forwards >= 1
+    assert 0 < timer.seconds() < wall
+    assert {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS} == before

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU session's device calls (BENCHMARKS.md, section GPU), each under the device's 10-minute limit.
+#   bash benchmarks/gpu_run.sh 1   # the GPU tests; per-call costs at the 13B shapes
+#   bash benchmarks/gpu_run.sh 2   # the fixture preset on the GPU, the tree cost per node, the loop's overhead
+#   bash benchmarks/gpu_run.sh 3   # where the loop syncs; the loop's overhead with CUDA graphs
+#   bash benchmarks/gpu_run.sh 4   # per-call costs at the 7B/1B shapes
+# Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
+set -u
+OUT=${OUT:-bench-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then  # carried wheels (the transformers this project was tested with)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || cat /tmp/install.log
+{ nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } \
+  > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+step() {  # step SECONDS NAME COMMAND...: run with a limit, log to $OUT/NAME.log, report the exit status
+  local limit=$1 name=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - start)) s"
+  tail -n 25 "$OUT/$name.log"
+}
+case "${1:-1}" in
+1)  # the GPU tests (the compiled one spends ~3 minutes compiling), the per-call costs at the 13B shapes
+  step 300 tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_cache.py
+  step 250 gpu13 python3 benchmarks/gpu.py --pairs 13b --out "$OUT/gpu13"
+  ;;
+2)  # the fixture preset on the GPU, the tree cost per node, the loop's overhead at the 13B shapes (eager)
+  step 220 fixtures xtokspec bench --preset fixtures --device cuda --prompts 12 --modes greedy --tree-widths 4 \
+    --systems xtokspec-same hf-assisted xtokspec-bridged hf-universal xtokspec-bridged-tree4 --out "$OUT/fixtures"
+  step 70 treecost python3 benchmarks/tree_cost.py --device cuda --out "$OUT/treecost"
+  step 200 loop python3 benchmarks/gpu_loop.py --out "$OUT/loop"
+  ;;
+3)  # where the greedy loop syncs, and the loop's overhead with CUDA graphs
+  step 60 syncs python3 benchmarks/gpu_syncs.py
+  step 420 loopc python3 benchmarks/gpu_loop.py --compile --out "$OUT/loopc"
+  ;;
+4)  # the 7B/1B shapes
+  step 300 gpu7 python3 benchmarks/gpu.py --pairs 7b-1b --out "$OUT/gpu7"
+  ;;
+esac
+# one archive: the device returns at most 8 files
+tar czf /tmp/gpu-run.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu-run.tgz "$OUT/gpu-run-${1:-1}.tgz"
