@@ -21,8 +21,8 @@ import reference
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 14  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 6.2e-5
+NUM_TESTS = 15  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 5.3e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -262,7 +262,7 @@ CASES = [
 # Runs per case: N_E2E, or 1,000 where every control rejected by a wide margin (v2.1 fixtures, at 1,000: deep
 # 1.3e-9, 2.1e-53 and 1.2e-17); the rest keep 2,000. The weakest control is the one-hot deep one: the residual
 # flaw at the second proposal gives p = 4.6e-5 on both one-hot cases (the same seeds draw the same samples on
-# both cache backends), under ALPHA = 6.2e-5 but not by much; seeds are fixed, so it passes every time.
+# both cache backends), under ALPHA = 5.3e-5 but not by much; seeds are fixed, so it passes every time.
 CASE_RUNS = {CASES[1]: 1000, CASES[4]: 1000, CASES[5]: 1000}
 # The cases tox's second stats env runs (tox -e stats2), so that the two envs share the machine's 2 cores.
 SECOND_ENV = {CASES[1], CASES[3], CASES[4], CASES[5]}
@@ -406,7 +406,7 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
 # cycle, and with the draft warped to its top 3 the one-hot cycles emit what intersection cycles would for
 # these seeds (checked: the same continuations as proposal="intersection" for 200 of 200 seeds). So this case
 # shows that the loop carries its state across kinds without changing the law, and its control has power at
-# the first cycle; it would not see a one-hot-only flaw in a later cycle. A longer case would.
+# the first cycle; it would not see a one-hot-only flaw in a later cycle: D2 does.
 SWITCH_CASE = ("dynamic", "intersection", "t1.0-k3")
 SWITCH_RUNS = 1000
 MIN_SWITCHED_SHARE = 0.3
@@ -459,6 +459,89 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
     assert control.rejected, f"negative control (kind chosen from the cycle's draws) passed (p={control.pvalue:.3g})"
     print(f"switching kinds (N={SWITCH_RUNS}): p={result.pvalue:.3g}, switched share {switched:.2f}; "
           f"peeking control p={control.pvalue:.3g}")
+
+
+# D2. The same switching over a longer run: LONG_LENGTH = 6 new tokens with K = 3, so a run has two to four
+# cycles and its later cycles carry up to four proposals (the exact law has 3^6 = 729 continuations). Its
+# negative control is the flaw D cannot see, "later one-hot residual": in one-hot cycles after a run's first,
+# a rejection samples the target itself instead of the residual (the rejected guess not removed). The first
+# cycle is exact, so the control sees only what happens after a switch.
+# The prompt was chosen for the second control's power: at a one-hot rejection the target gives the rejected
+# token 0.24 of its mass on average here, against 0.04 on the B cases' "Linux 2.0" prompt, where the same flaw
+# went undetected at N=1000 (p=0.29); here it gives p=6.9e-10 (v2.1 fixtures). D's peeking control has no
+# power on this prompt (p=0.15 at N=1000), which is why D keeps its own. The test asserts that enough runs
+# reach a one-hot rejection after their first cycle, so it cannot quietly stop testing it.
+LONG_SETTING = "t1.0-k3"
+LONG_PROMPT = "has_journal ( -"
+LONG_LENGTH = 6
+LONG_RUNS = 1000
+MIN_LATER_ONEHOT_REJECTIONS = 0.3  # runs with a rejected one-hot proposal after their first cycle (measured 0.93)
+
+
+class LaterOnehotCycles:
+    """Wraps sampling.next_token_distribution to count, per run, the one-hot rejections after the run's first
+    cycle; with `flawed`, those rejections sample the target's own distribution (WRONG)."""
+
+    def __init__(self, flawed: bool = False):
+        self.original = sampling.next_token_distribution
+        self.flawed = flawed
+        self.cycle = self.hits = 0
+
+    def start_run(self):
+        self.cycle = 0
+
+    def __call__(self, target_probs, proposal_ids, num_accepted, proposal_probs=None):
+        later_onehot_rejection = self.cycle > 0 and proposal_probs is None and num_accepted < proposal_ids.shape[0]
+        self.cycle += 1
+        if later_onehot_rejection:
+            self.hits += 1
+            if self.flawed:
+                return target_probs[num_accepted]
+        return self.original(target_probs, proposal_ids, num_accepted, proposal_probs)
+
+
+def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None):
+    """-> (continuations, share of runs whose cycles used both kinds, share with a later one-hot rejection)."""
+    samples, switched, reached = [], 0, 0
+    for seed in range(runs):
+        hits = counter.hits if counter else 0
+        if counter:
+            counter.start_run()
+        result = spec.generate(LONG_PROMPT, max_new_tokens=LONG_LENGTH, do_sample=True, seed=seed,
+                               proposal="auto", num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False,
+                               **SETTINGS[LONG_SETTING])
+        samples.append(tuple(result.token_ids))
+        switched += len(result.stats.proposal_cycles) == 2
+        reached += bool(counter) and counter.hits > hits
+    return samples, switched / runs, reached / runs
+
+
+@pytest.mark.stats
+@pytest.mark.stats2
+@pytest.mark.slow
+def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_target, monkeypatch):
+    from xtokspec import decode
+
+    params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[LONG_SETTING])
+    exact = exact_continuations(*ja_target, LONG_PROMPT, params, LONG_LENGTH, bridged_spec.target_eos)
+    monkeypatch.setattr(decode.ProposalChooser, "update", alternate)
+    counter = LaterOnehotCycles()
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "next_token_distribution", counter)  # counts only
+        samples, switched, reached = sample_switching_long(bridged_spec, LONG_RUNS, counter)
+    assert switched >= MIN_SWITCHED_SHARE, f"only {switched:.0%} of runs used both kinds"
+    assert reached >= MIN_LATER_ONEHOT_REJECTIONS, f"only {reached:.0%} of runs rejected a later one-hot proposal"
+    result = reference.assert_samples_match(samples, exact, ALPHA, "switching kinds, longer runs")
+    with monkeypatch.context() as patch:
+        flawed = LaterOnehotCycles(flawed=True)
+        patch.setattr(sampling, "next_token_distribution", flawed)
+        wrong, _, _ = sample_switching_long(bridged_spec, LONG_RUNS, flawed)
+    counts, probs, _labels = reference.count_samples(wrong, exact)
+    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+    assert control.rejected, f"negative control (later one-hot residual) passed (p={control.pvalue:.3g})"
+    print(f"switching kinds over longer runs (N={LONG_RUNS}, {LONG_LENGTH} tokens): p={result.pvalue:.3g}, "
+          f"switched share {switched:.2f}, later one-hot rejections in {reached:.2f} of runs; later one-hot "
+          f"residual control p={control.pvalue:.3g}")
 
 
 # ---------------------------------------------------------------- E. a trimmed draft head (intersection)
