@@ -32,6 +32,10 @@ def test_prediction_is_eq1_over_the_cycles(gpu, tmp_path):
     cost = (4 / 2) * 1.0 + 10.0  # draft steps per cycle * step + verify(3 rows)
     assert row["predicted_speedup"] == pytest.approx(expected_tokens(0.5, 2) / (cost / 10.0))
     assert gpu.predict(pair, tmp_path / "missing.json", 0.0) == []
+    # the eager (static-cache) prediction uses the eager costs, over the eager target step
+    pair |= {"target_static": {1: 20.0, 2: 20.0, 4: 24.0}, "draft_static": {1: 6.0}}
+    (eager,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")
+    assert eager["predicted_speedup"] == pytest.approx(expected_tokens(0.5, 2) / (((4 / 2) * 6.0 + 22.0) / 20.0))
 
 
 def test_shapes_are_the_published_ones(gpu):
