@@ -517,7 +517,6 @@ def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None):
 
 
 @pytest.mark.stats
-@pytest.mark.stats2
 @pytest.mark.slow
 def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_target, monkeypatch):
     from xtokspec import decode
