@@ -8,6 +8,7 @@ import pytest
 
 from xtokspec.bench import Run, comparisons, eos_check, markdown_table, paired, summarize, theoretical_speedup
 from xtokspec.cli import main
+from xtokspec.models import fixtures_dir
 from xtokspec.types import GenerationStats
 
 
@@ -101,10 +102,25 @@ def test_markdown_table_has_one_line_per_row_and_the_eos_column():
     assert len(table.splitlines()) == 2 + 2 and "EOS stops" in table and "100% (p=" in table
 
 
+def test_bench_calibration_refusals_come_before_any_model_loads(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    for argv, message in ((["--calibration", str(empty)], "give --draft-vocab too"),
+                          (["--draft-vocab", "64", "--calibration", str(empty)], "has no text"),
+                          (["--draft-vocab", "64", "--calibration", str(tmp_path / "missing.txt")], "cannot be read")):
+        # the real preset's models are never loaded (they need not even be on this machine)
+        assert main(["bench", "--preset", "real", "--out", str(tmp_path), *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
+    calibration = tmp_path / "calibration.txt"  # the draft's head is trimmed to ids frequent in these lines
+    heldout = (fixtures_dir() / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
+    calibration.write_text("\n".join(heldout[:200]), encoding="utf-8")
     assert main(["bench", "--prompts", "1", "--max-new-tokens", "8", "--modes", "greedy", "T=0.7",
-                 "--threads", "1", "--out", str(tmp_path), "--no-progress", "--draft-vocab", "2048"]) == 0
+                 "--threads", "1", "--out", str(tmp_path), "--no-progress", "--draft-vocab", "2048",
+                 "--calibration", str(calibration)]) == 0
     results = json.loads((tmp_path / "fixtures" / "results.json").read_text())
     systems = {(r["mode"], r["system"]) for r in results["summary"]}
     for mode in ("greedy", "T=0.7"):

@@ -213,10 +213,10 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
-                  tree_unpruned: bool = False, draft_vocab: int = 0) -> list[Run]:
+                  tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
-    `calibration_texts()`."""
+    `calibration` (default: `calibration_texts()`)."""
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
@@ -233,7 +233,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     spec_trim = None
     if draft_vocab and models.draft_cross:
         spec_trim = XTokSpec(models.target, models.draft_cross)
-        print(spec_trim.trim_draft_vocab(calibration_texts(), draft_vocab).describe(), flush=True)
+        print(spec_trim.trim_draft_vocab(calibration or calibration_texts(), draft_vocab).describe(), flush=True)
     static = SpecConfig(cache="static")
     spec_static = {key: XTokSpec(models.target, pair, config=static)
                    for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
@@ -519,6 +519,21 @@ def write_report(out: Path, meta: dict, runs: list[Run]) -> str:
     return table
 
 
+def read_calibration(path: str | None, draft_vocab: int) -> list[str] | None:
+    """--calibration's non-empty lines, or None (the built-in calibration_texts())."""
+    if path is None:
+        return None
+    if not draft_vocab:
+        raise XTokSpecError("--calibration is the text --draft-vocab N chooses ids from: give --draft-vocab too")
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise XTokSpecError(f"--calibration {path!r} cannot be read as UTF-8 text: {err}") from err
+    if not lines:
+        raise XTokSpecError(f"--calibration {path!r} has no text")
+    return lines
+
+
 def main_bench(args: argparse.Namespace) -> int:
     out = Path(args.out) / args.preset
     if args.report_only:  # re-derive every figure and plot from the runs of an earlier results.json
@@ -528,6 +543,7 @@ def main_bench(args: argparse.Namespace) -> int:
         saved = json.loads(path.read_text())
         print(write_report(out, saved["meta"], [Run(**r) for r in saved["runs"]]))
         return 0
+    calibration = read_calibration(args.calibration, args.draft_vocab)  # NOTE: before loading any model
     torch.set_num_threads(args.threads) if args.threads else None
     dtype = getattr(torch, args.dtype)
     models = load_preset(args.preset, dtype, args.device)
@@ -538,7 +554,7 @@ def main_bench(args: argparse.Namespace) -> int:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
-                         tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab)
+                         tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
@@ -562,7 +578,11 @@ def add_bench_parser(sub) -> None:
                        help="beside each tree system, the same tree with every drafted node verified (-tree{W}-all)")
     bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="add -trim systems: the bridged draft's output head trimmed to the N ids most frequent in "
-                            "calibration text (fixtures' held-out Japanese and Python stdlib source; 0: none)")
+                            "calibration text (--calibration, or by default the fixtures' held-out Japanese and "
+                            "Python stdlib source; 0: none)")
+    bench.add_argument("--calibration", default=None, metavar="FILE",
+                       help="the text --draft-vocab chooses ids from, one passage per line (e.g. the target's own "
+                            "outputs on prompts like yours)")
     bench.add_argument("--systems", nargs="*", default=[], metavar="NAME",
                        help="run only these systems (and the target alone); default: all")
     bench.add_argument("--out", default="benchmarks")
