@@ -175,6 +175,14 @@ def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length
     return law
 
 
+def control_rejected(wrong, exact, what: str):
+    """A negative control's chi-square result; fails the test (naming `what`) unless it rejects."""
+    counts, probs, _labels = reference.count_samples(wrong, exact)
+    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
+    assert control.rejected, f"negative control ({what}) passed (p={control.pvalue:.3g}): no power there"
+    return control
+
+
 def sample_continuations(spec, setting, proposal, prompt, n=N_E2E, **extra):
     """n seeded generations -> (continuations, share of runs with a cycle that accepted >= 2 proposals)."""
     samples, deep = [], 0
@@ -311,11 +319,7 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
             for name, flawed in FLAWS[flaw](where).items():
                 patch.setattr(sampling, name, flawed)
             wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
-        counts, probs, _labels = reference.count_samples(wrong, exact)
-        control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-        assert control.rejected, (
-            f"negative control ({flaw}) flawed at the {where} proposal passed (p={control.pvalue:.3g}): no power there"
-        )
+        control = control_rejected(wrong, exact, f"{flaw}, flawed at the {where} proposal")
         report.append(f"{flaw} {where}-position control p={control.pvalue:.3g}")
     print("; ".join(report))  # the figures fixtures/README.md quotes (pytest -s)
 
@@ -386,11 +390,7 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
         with monkeypatch.context() as patch:
             patch.setattr(tree, "walk_sampled", unnormalised_walk(where))
             wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
-        counts, probs, _labels = reference.count_samples(wrong, exact)
-        control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-        assert control.rejected, (
-            f"negative control (no renormalisation, {where}) passed (p={control.pvalue:.3g}): no power there"
-        )
+        control = control_rejected(wrong, exact, f"no renormalisation, {where}")
         report.append(f"no-renormalisation {where} control p={control.pvalue:.3g}")
     print("; ".join(report))
 
@@ -454,9 +454,7 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
     with monkeypatch.context() as patch:
         patch.setattr(decode._Run, "_bridge", peeking_bridge(decode._Run._bridge))
         wrong, _ = sample_switching(bridged_spec, prompt, SWITCH_RUNS)
-    counts, probs, _labels = reference.count_samples(wrong, exact)
-    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-    assert control.rejected, f"negative control (kind chosen from the cycle's draws) passed (p={control.pvalue:.3g})"
+    control = control_rejected(wrong, exact, "kind chosen from the cycle's draws")
     print(f"switching kinds (N={SWITCH_RUNS}): p={result.pvalue:.3g}, switched share {switched:.2f}; "
           f"peeking control p={control.pvalue:.3g}")
 
@@ -535,9 +533,7 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
         flawed = LaterOnehotCycles(flawed=True)
         patch.setattr(sampling, "next_token_distribution", flawed)
         wrong, _, _ = sample_switching_long(bridged_spec, LONG_RUNS, flawed)
-    counts, probs, _labels = reference.count_samples(wrong, exact)
-    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-    assert control.rejected, f"negative control (later one-hot residual) passed (p={control.pvalue:.3g})"
+    control = control_rejected(wrong, exact, "later one-hot residual")
     print(f"switching kinds over longer runs (N={LONG_RUNS}, {LONG_LENGTH} tokens): p={result.pvalue:.3g}, "
           f"switched share {switched:.2f}, later one-hot rejections in {reached:.2f} of runs; later one-hot "
           f"residual control p={control.pvalue:.3g}")
@@ -608,9 +604,7 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
     with monkeypatch.context() as patch:
         patch.setattr(sampling, "race", draws_trimmed_only(keep, draft_vocab))
         wrong, _ = sample_continuations(bridged_spec, SETTINGS[TRIM_CASE[2]], "intersection", prompt, TRIM_RUNS)
-    counts, probs, _labels = reference.count_samples(wrong, exact)
-    control = reference.chisquare_test(counts, probs / probs.sum(), ALPHA)
-    assert control.rejected, f"negative control (draws trimmed, q full) passed (p={control.pvalue:.3g})"
+    control = control_rejected(wrong, exact, "draws trimmed, q full")
     print(f"trimmed head (mass dropped at the first / second proposal: {dropped[0]:.2f} / {dropped[1]:.2f}; "
           f"N={TRIM_RUNS}): p={result.pvalue:.3g}, deep share {deep_share:.2f}; "
           f"draws-trimmed-q-full control p={control.pvalue:.3g}")
