@@ -24,6 +24,16 @@ def test_stream_and_sampling_flags(capsys, ja_target):
 
 
 @pytest.mark.slow
+def test_generate_with_a_token_tree_gives_the_same_text(capsys, ja_target):
+    args = ["generate", "自然言語処理とは何か", "--max-new-tokens", "24", "--dtype", "float32"]  # float32: no bf16 near-ties
+    assert main(args) == 0
+    chain = capsys.readouterr().out
+    assert main([*args, "--tree-width", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out == chain and "greedy-bridge tree:" in err
+
+
+@pytest.mark.slow
 def test_generate_with_a_trimmed_draft_head_gives_the_same_text(capsys, ja_target):
     from model_helpers import FIXTURES
 
@@ -51,12 +61,14 @@ class _NoModels:
     """Stands in for XTokSpec: records what the CLI asked for; loading it at all can be made an error."""
 
     calls: list = []
+    configs: list = []
     forbid = False
 
     def __init__(self, large, small, **kwargs):
         if _NoModels.forbid:
             raise AssertionError("models were loaded before the input was checked")
         self.large, self.small = large, small
+        _NoModels.configs.append(kwargs.get("config"))
 
     def describe(self):
         return "target (fake); draft (fake)"
@@ -74,7 +86,7 @@ def no_models(monkeypatch):
     import xtokspec.decode
 
     monkeypatch.setattr(xtokspec.decode, "XTokSpec", _NoModels)
-    _NoModels.calls, _NoModels.forbid = [], False
+    _NoModels.calls, _NoModels.configs, _NoModels.forbid = [], [], False
     return _NoModels
 
 
@@ -95,6 +107,8 @@ def no_models(monkeypatch):
         (["東京", "--draft-vocab", "0", "--calibration", "x.txt"], "--draft-vocab must be a positive integer"),
         (["東京", "--calibration", "x.txt"], "give --draft-vocab too"),
         (["東京", "--draft-vocab", "2048", "--calibration", "/no/such/text.txt"], "cannot read --calibration"),
+        (["東京", "--tree-width", "0"], "tree_width must be an integer >= 1"),
+        (["東京", "--compile", "--cache", "dynamic"], "--compile needs the static cache"),
     ],
 )
 def test_bad_input_is_named_before_any_model_loads(no_models, capsys, args, message):
@@ -121,6 +135,14 @@ def test_sampling_flags_imply_sample_and_temperature_zero_is_greedy(no_models, c
     assert kwargs["do_sample"] is do_sample
     err = capsys.readouterr().err
     assert (note in err) if note else ("note:" not in err), err
+
+
+def test_tree_cache_and_compile_options_reach_the_config(no_models):
+    assert main(["generate", "東京", "--tree-width", "4", "--cache", "static", "--compile"]) == 0
+    (config,) = no_models.configs
+    assert (config.tree_width, config.cache, config.compile) == (4, "static", True)
+    assert main(["generate", "東京"]) == 0  # the defaults are SpecConfig's
+    assert (no_models.configs[-1].tree_width, no_models.configs[-1].cache, no_models.configs[-1].compile) == (1, "auto", False)
 
 
 def test_prompt_from_stdin_and_from_a_file(no_models, monkeypatch, tmp_path):

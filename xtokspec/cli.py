@@ -95,9 +95,12 @@ def _generate(args: argparse.Namespace) -> int:
     if do_sample:
         SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
+    if args.compile and args.cache == "dynamic":
+        raise XTokSpecError("--compile needs the static cache (fixed shapes): drop --cache dynamic")
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
-        adaptive=not args.fixed_k, proposal=args.proposal,
+        adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, cache=args.cache,
+        compile=args.compile,
     )
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
@@ -167,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                      help="draft tokens per cycle at the start (adaptive K changes it from measured costs)")
     gen.add_argument("--fixed-k", action="store_true", help="always draft --num-draft-tokens (no adaptive K)")
+    gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
+                     help="token trees: drafted candidates kept at each depth, verified in one target call "
+                     "(1: a single chain)")
+    gen.add_argument("--cache", choices=("auto", "dynamic", "static"), default=SpecConfig.cache,
+                     help="KV cache backend for both models; auto = static on CUDA, dynamic elsewhere")
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile both models' short forwards (CUDA graphs on a GPU, where draft steps "
+                     "get ~10x cheaper after a one-off compile; no gain on a CPU; see BENCHMARKS.md, GPU)")
     gen.add_argument("--dtype", choices=_DTYPES, default="auto",
                      help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
                      "Python API load it (bfloat16 for the bundled models)")
