@@ -25,15 +25,13 @@ for draft in ("ja-draft-same", "ja-draft-bpe"):
     spec = XTokSpec(load("ja-target"), load(draft), config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4))
     spec.generate("ファイルシステムをマウントするには", max_new_tokens=8)
     sites = collections.Counter()
-    original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None, sites=sites):
         if "synchroniz" in str(message):
             ours = [f for f in traceback.extract_stack() if "/xtokspec/" in f.filename]
             sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(ours[-3:]))] += 1
 
-    warnings.showwarning = record
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning on exit
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
