@@ -43,6 +43,31 @@ def eager_compile(monkeypatch):
     return calls
 
 
+def test_a_caches_first_forward_runs_eagerly_then_through_the_step(sp_tokenizer):
+    """transformers' StaticLayer marks its buffers as static addresses only when initialised outside a compiled
+    region; initialised inside one, torch.compile skipped CUDA graphs on an H100 ("mutated inputs"). So the
+    prefill, even a short one, runs eagerly, and the step serves only the forwards after it."""
+    from xtokspec.cache import ModelState
+
+    model = tiny_llama(sp_tokenizer, seed=3)
+    calls = []
+
+    def step(**kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return model(**kwargs)
+
+    state = ModelState(model, [5, 6, 7], "static", 64, step)
+    with torch.inference_mode():
+        state.forward(keep=1)  # the prompt: 3 ids, short enough for a bucket, yet eager
+        assert calls == [] and state.cached == 3
+        state.ids.extend([8, 9, 10])
+        logits = state.forward(keep=3)
+    assert calls == [4] and state.cached == 6  # 3 new ids padded to the bucket of 4, the padding rolled back
+    with torch.inference_mode():
+        eager = model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]])).logits[0, -3:]
+    torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["bridged", "same"])
 def test_padded_buckets_are_lossless_on_the_fixtures(draft, eager_compile, ja_target, ja_draft_bpe, ja_draft_same,
