@@ -107,7 +107,7 @@ def test_bench_calibration_refusals_come_before_any_model_loads(tmp_path, capsys
     empty.write_text("\n  \n", encoding="utf-8")
     for argv, message in ((["--calibration", str(empty)], "give --draft-vocab too"),
                           (["--draft-vocab", "64", "--calibration", str(empty)], "has no text"),
-                          (["--draft-vocab", "64", "--calibration", str(tmp_path / "missing.txt")], "cannot be read")):
+                          (["--draft-vocab", "64", "--calibration", str(tmp_path / "missing.txt")], "cannot read --calibration")):
         # the real preset's models are never loaded (they need not even be on this machine)
         assert main(["bench", "--preset", "real", "--out", str(tmp_path), *argv]) == 2
         assert message in capsys.readouterr().err

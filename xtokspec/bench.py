@@ -519,19 +519,29 @@ def write_report(out: Path, meta: dict, runs: list[Run]) -> str:
     return table
 
 
+def read_text(path: str, option: str) -> str:
+    """The UTF-8 file a command-line option names (`xtokspec generate` and `bench`), or an error naming both."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise XTokSpecError(f"cannot read {option} {path!r}: {err}") from None
+
+
+def calibration_lines(path: str) -> list[str]:
+    """--calibration's non-empty lines: the text --draft-vocab chooses ids from."""
+    lines = [line for line in read_text(path, "--calibration").splitlines() if line.strip()]
+    if not lines:
+        raise XTokSpecError(f"--calibration {path!r} has no text")
+    return lines
+
+
 def read_calibration(path: str | None, draft_vocab: int) -> list[str] | None:
-    """--calibration's non-empty lines, or None (the built-in calibration_texts())."""
+    """bench's --calibration lines, or None (the built-in calibration_texts())."""
     if path is None:
         return None
     if not draft_vocab:
         raise XTokSpecError("--calibration is the text --draft-vocab N chooses ids from: give --draft-vocab too")
-    try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as err:
-        raise XTokSpecError(f"--calibration {path!r} cannot be read as UTF-8 text: {err}") from err
-    if not lines:
-        raise XTokSpecError(f"--calibration {path!r} has no text")
-    return lines
+    return calibration_lines(path)
 
 
 def main_bench(args: argparse.Namespace) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from .bench import add_bench_parser
+from .bench import add_bench_parser, calibration_lines, read_text
 from .models import FIXTURE_NAMES
 from .types import SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
@@ -33,13 +32,6 @@ def _load_kwargs(dtype: str, device: str | None) -> dict:
     return kwargs
 
 
-def _read_text(path: str, option: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise XTokSpecError(f"cannot read {option} {path!r}: {err}") from None
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     """The prompt from the argument, from stdin ('-') or from --prompt-file (one trailing newline dropped)."""
     if args.prompt_file is not None and args.prompt is not None:
@@ -47,7 +39,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None and args.prompt is None:
         raise XTokSpecError("no prompt: give it as an argument, '-' to read stdin, or --prompt-file PATH")
     if args.prompt_file is not None:
-        text = _read_text(args.prompt_file, "--prompt-file")
+        text = read_text(args.prompt_file, "--prompt-file")
     elif args.prompt == "-":
         text = sys.stdin.read()
     else:
@@ -66,10 +58,7 @@ def _calibration(args: argparse.Namespace) -> list[str] | None:
     if args.calibration is None:
         raise XTokSpecError("--draft-vocab needs --calibration FILE: text in the domain you will generate "
                             "(one document or paragraph per line)")
-    lines = [line for line in _read_text(args.calibration, "--calibration").splitlines() if line.strip()]
-    if not lines:
-        raise XTokSpecError(f"--calibration {args.calibration!r} has no text")
-    return lines
+    return calibration_lines(args.calibration)
 
 
 def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
