@@ -255,10 +255,11 @@ class ModelState:
 
     def _bucket(self, length: int) -> int | None:
         """The padded length a compiled call uses for `length` new ids, or None to run eagerly."""
-        if self.step is None or not self.kv.layer_tensors():
+        if self.step is None or self.cached == 0:
             # NOTE: the cache's first forward runs eagerly: StaticLayer marks its buffers as static addresses
             # only when initialised outside a compiled region; initialised inside one, every compiled call
-            # "mutates inputs" and torch.compile silently gives up CUDA graphs for it.
+            # "mutates inputs" and torch.compile silently gives up CUDA graphs for it. (An empty cache is also
+            # one rolled back to nothing; running that forward eagerly too costs nothing in correctness.)
             return None
         bucket = next((b for b in COMPILE_BUCKETS if b >= length), None)
         return bucket if bucket is not None and self.cached + bucket <= self.capacity else None
