@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run xtokspec with SpecConfig(compile=True) instead of the default configuration "
                              "(compiling the 13B shape's buckets takes minutes)")
+    parser.add_argument("--drafts", nargs="+", default=["same", "bridged"], choices=["same", "bridged"],
+                        help="which drafts run (a compiled run of both may not fit in one 10-minute device call)")
     args = parser.parse_args()
     import transformers
 
@@ -209,10 +211,13 @@ def main() -> None:
         (out / "loop.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         (out / "loop.md").write_text(markdown(meta, results))
 
+    previous = out / "loop.json"  # a run over the other drafts keeps that run's rows
+    if previous.exists():
+        results.update(json.loads(previous.read_text())["results"])
     results["target generate (transformers)"] = run_hf(target, None, sp, args.tokens, args.k, args.device)
     print("target alone:", results["target generate (transformers)"]["median_cycle_ms"], "ms per call", flush=True)
     save()
-    for draft_name, draft_tok in (("same", sp), ("bridged", bpe)):
+    for draft_name, draft_tok in [d for d in (("same", sp), ("bridged", bpe)) if d[0] in args.drafts]:
         draft = build(with_vocab(draft_config, len(draft_tok)), args.device, torch.bfloat16)
         no_eos(draft, draft_tok)
         if args.compile:

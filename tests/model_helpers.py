@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 MODELS = FIXTURES / "models"
+TEST_DEVICE = os.environ.get("XTOKSPEC_TEST_DEVICE", "cpu")
 
 def load_tokenizer(path):
     from transformers import AutoTokenizer
@@ -17,7 +19,8 @@ def load_tokenizer(path):
 
 
 def load_fixture_model(name: str):
-    """(model, tokenizer) of a bundled fixture model in float32 on CPU."""
+    """(model, tokenizer) of a bundled fixture model in float32, on the CPU or on XTOKSPEC_TEST_DEVICE (e.g. cuda:
+    the chi-square tests run there on a GPU machine with `XTOKSPEC_TEST_DEVICE=cuda tox -e stats`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -25,7 +28,7 @@ def load_fixture_model(name: str):
     if not (path / "config.json").exists():
         pytest.fail(f"fixture model {path} is missing: build it with fixtures/build (see fixtures/README.md)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, load_tokenizer(path)
+    return model.to(TEST_DEVICE), load_tokenizer(path)
 
 
 def tiny_llama(tokenizer, layers: int = 2, seed: int = 0, max_positions: int = 256):

@@ -166,7 +166,7 @@ def exact_continuations(model, tokenizer, prompt, params: SamplingParams, length
             law[prefix] = law.get(prefix, 0.0) + prob
             return
         with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([prompt_ids + list(prefix)])).logits[0, -1:]
+            logits = model(input_ids=torch.tensor([prompt_ids + list(prefix)], device=model.device)).logits[0, -1:]
         probs = sampling.logits_to_probs(logits, warpers)[0].double()
         for token in torch.nonzero(probs).flatten().tolist():
             expand(prefix + (token,), prob * float(probs[token]))
@@ -593,7 +593,8 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
     draft_ids = bridged_spec.draft_prompt_ids(bridged_spec.target_tokenizer(prompt)["input_ids"])
     second = bridged_spec.draft.tokenizer(" は", add_special_tokens=False)["input_ids"]
     with torch.inference_mode():
-        logits = bridged_spec.draft_model(input_ids=torch.tensor([draft_ids + second])).logits[0]
+        model = bridged_spec.draft_model
+        logits = model(input_ids=torch.tensor([draft_ids + second], device=model.device)).logits[0]
     full = sampling.logits_to_probs(logits[[len(draft_ids) - 1, -1]], sampling.build_warpers(params))  # (2, Vd)
     dropped = 1 - full[:, keep].sum(-1)  # (2,)
     assert (dropped >= MIN_TRIMMED_MASS).all(), f"the trim drops only {dropped.tolist()} of the mass: no power"
