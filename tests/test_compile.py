@@ -93,3 +93,26 @@ def test_compiled_greedy_equals_target(sp_tokenizer, bpe_tokenizer):
         assert compiled.generate(prompt, max_new_tokens=24).token_ids == want, prompt
         assert eager.generate(prompt, max_new_tokens=24).token_ids == want, prompt
     assert max(COMPILE_BUCKETS) >= 4
+
+
+def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, bpe_tokenizer, monkeypatch):
+    """A new prompt length must not recompile: torch.compile specialises on the static buffer's shape, and a
+    buffer sized to each prompt recompiled every bucket of both models (on an H100 at the 13B shapes, a ~100 s
+    stall in the middle of a generation). Dynamo runs for real here, with its eager backend (guards without
+    inductor), and records why it recompiled; none of the reasons may concern the cache. The buffers are
+    reused from one generation to the next, so captured graphs keep their addresses."""
+    from torch._dynamo.utils import guard_failures
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real_compile(model, backend="eager", dynamic=False))
+    torch._dynamo.reset()
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True))
+    caches = []
+    for prompt in ["東京", *PROMPTS]:  # 2 to 13 target ids
+        spec.generate(prompt, max_new_tokens=12)
+        caches.append([spec._idle_kv[id(model)] for model in (spec.target_model, spec.draft_model)])
+    reasons = [str(reason) for failures in guard_failures.values() for reason in failures]
+    assert reasons, "no recompilation at all: the guard record is not being read"
+    assert not [r for r in reasons if "past_key_values" in r and "size mismatch" in r], reasons
+    assert all(pair[0] is caches[0][0] and pair[1] is caches[0][1] for pair in caches)
+    torch._dynamo.reset()

@@ -33,6 +33,19 @@ CACHE_BACKENDS = ("dynamic", "static")
 # Longer inputs (prompt prefills) run eagerly.
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)
 PAD_ID = 0  # fills a bucket; its positions are written to the static cache and rolled back at once
+MIN_COMPILED_CAPACITY = 256
+
+
+def compiled_capacity(needed: int, limit: int) -> int:
+    """The static buffer size for a compiled model: `needed` positions rounded up to a power of two (at least
+    MIN_COMPILED_CAPACITY), at most the model's `limit`.
+
+    torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
+    every bucket of both models whenever a prompt's length was new: on an H100 at the 13B shapes that stalled
+    the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, section GPU). Rounded, a process
+    compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows."""
+    size = max(MIN_COMPILED_CAPACITY, 1 << max(needed - 1, 0).bit_length())
+    return max(min(size, limit), needed)
 
 
 def input_device(model) -> torch.device:
@@ -209,7 +222,11 @@ class ModelState:
     """
 
     def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None,
-                 tree_nodes: int = 0):
+                 tree_nodes: int = 0, reuse: _StaticKV | None = None):
+        """`reuse`: the cache of an earlier ModelState of this model with a compiled step (`kv`), taken over if
+        it is large enough: its buffers keep their addresses, so captured graphs stay valid and nothing is
+        allocated or recompiled. Its old contents are harmless: the new prefill starts writing at position 0,
+        and until a position is written again the causal mask hides it, as after any rollback."""
         if step is not None and backend != "static":
             raise ValueError("a compiled step needs the static backend")
         self.model = model
@@ -219,8 +236,13 @@ class ModelState:
         self.backend = backend
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         capacity = min(capacity or limit, limit)
+        if step is not None:
+            capacity = compiled_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
-        if backend == "static":
+        if step is not None and reuse is not None and reuse.capacity >= capacity + tree_nodes:
+            reuse.rollback(0)
+            self.kv = reuse
+        elif backend == "static":
             self.kv = _StaticKV(model, capacity + tree_nodes, prefix=step is None)
         else:
             self.kv = _DynamicKV(model, capacity + tree_nodes)

@@ -267,6 +267,7 @@ class XTokSpec:
         self._full_draft_model = self.draft_model  # trim_draft_vocab replaces draft_model by a view of this
         self.draft_vocab: DraftVocab | None = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
+        self._idle_kv: dict[int, object] = {}  # id(model) -> its compiled steps' static cache, between generations
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
@@ -299,6 +300,7 @@ class XTokSpec:
         if self.draft_model is not self._full_draft_model:
             # NOTE: compiled steps are keyed by id(model); the old view is dropped here, and a new one could reuse its id
             self._steps.pop(id(self.draft_model), None)
+            self._idle_kv.pop(id(self.draft_model), None)
         self.draft_model, self.draft_vocab = model, vocab
         return vocab
 
@@ -426,12 +428,21 @@ class XTokSpec:
     def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int, tree_nodes: int = 0) -> ModelState:
         """ids + KV cache with the configured backend (and the compiled step, compiled once per XTokSpec)."""
         backend = choose_backend(model, config.cache, config.compile)
-        step = None
+        step, reuse = None, None
         if config.compile:
             step = self._steps.get(id(model))
             if step is None:
                 step = self._steps[id(model)] = compile_step(model)
-        return ModelState(model, ids, backend, capacity, step, tree_nodes)
+            # NOTE: taken, not shared: a generation still running (another open stream) keeps its own cache
+            reuse = self._idle_kv.pop(id(model), None)
+        return ModelState(model, ids, backend, capacity, step, tree_nodes, reuse)
+
+    def _release(self, state: ModelState) -> None:
+        """A finished generation's compiled cache, kept for the next one (the larger, if two finish)."""
+        if state.step is not None:
+            idle = self._idle_kv.get(id(state.model))
+            if idle is None or idle.capacity < state.kv.capacity:
+                self._idle_kv[id(state.model)] = state.kv
 
     # ---------------------------------------------------------------- the loop
     def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
@@ -544,16 +555,20 @@ class _Run:
         self.draft_prompt_len = len(draft_ids)
         produced = 0
         start = time.perf_counter()
-        while produced < max_new_tokens:
-            remaining = max_new_tokens - produced
-            k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
-            cycle = self._tree_cycle if self.config.tree_width > 1 else self._chain_cycle
-            new_ids = cycle(target, draft, k, remaining)
-            produced += len(new_ids)
-            stop = self._finish(new_ids, produced, max_new_tokens, target, start)  # stats complete before the yield
-            yield new_ids
-            if stop:
-                return
+        try:
+            while produced < max_new_tokens:
+                remaining = max_new_tokens - produced
+                k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
+                cycle = self._tree_cycle if self.config.tree_width > 1 else self._chain_cycle
+                new_ids = cycle(target, draft, k, remaining)
+                produced += len(new_ids)
+                stop = self._finish(new_ids, produced, max_new_tokens, target, start)  # stats complete before the yield
+                yield new_ids
+                if stop:
+                    return
+        finally:  # also when a stream is closed early
+            spec._release(target)
+            spec._release(draft)
 
     def _chain_cycle(self, target: ModelState, draft: ModelState, k: int, remaining: int) -> list[int]:
         """Steps 1-5 for a chain of K drafted tokens -> the committed target ids."""
