@@ -23,11 +23,25 @@ def target_ids(target, prompt: str, n: int) -> list[int]:
 
 
 def test_compile_needs_the_static_cache(tiny_target, bpe_tokenizer):
-    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True, cache="dynamic"))
+    """Refused when the configuration is made (not at the first generate, after the models have loaded), and for a
+    model whose layers cannot use the static cache, when the backend is chosen."""
     with pytest.raises(XTokSpecError, match="compile=True needs the static cache"):
-        spec.generate("東京", max_new_tokens=2)
+        SpecConfig(compile=True, cache="dynamic")
     with pytest.raises(XTokSpecError, match="compile must be True or False"):
         SpecConfig(compile="yes")
+    from xtokspec.cache import choose_backend
+
+    target = tiny_target[0]
+    assert choose_backend(target, "auto", compiled=True) == "static"
+    saved = dict(target.config.__dict__)
+    target.config.sliding_window, target.config.use_sliding_window = 4, True
+    try:
+        with pytest.raises(XTokSpecError, match="compile=True needs the static cache.*sliding"):
+            choose_backend(target, "auto", compiled=True)
+    finally:
+        target.config.__dict__.clear()
+        target.config.__dict__.update(saved)
+    assert choose_backend(target, "auto", compiled=True) == "static"
 
 
 @pytest.fixture

@@ -101,6 +101,8 @@ class SpecConfig:
                 raise XTokSpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
+        if self.compile and self.cache == "dynamic":
+            raise XTokSpecError("compile=True needs the static cache (fixed shapes): use cache='static' or 'auto'")
         for name in ("tree_width", "max_tree_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
