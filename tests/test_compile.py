@@ -4,6 +4,8 @@ model computes what the eager one does (greedy ids equal the target's own genera
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from model_helpers import tiny_llama, tiny_neox
@@ -109,7 +111,7 @@ def test_compiled_greedy_equals_target(sp_tokenizer, bpe_tokenizer):
     assert max(COMPILE_BUCKETS) >= 4
 
 
-def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, bpe_tokenizer, monkeypatch):
+def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, bpe_tokenizer, monkeypatch, caplog):
     """A new prompt length must not recompile: torch.compile specialises on the static buffer's shape, and a
     buffer sized to each prompt recompiled every bucket of both models (on an H100 at the 13B shapes, a ~100 s
     stall in the middle of a generation). Dynamo runs for real here, with its eager backend (guards without
@@ -122,6 +124,7 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, b
     torch._dynamo.reset()
     spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True))
     caches = []
+    caplog.set_level(logging.INFO, logger="xtokspec")
     for prompt in ["東京", *PROMPTS]:  # 2 to 13 target ids
         spec.generate(prompt, max_new_tokens=12)
         caches.append([spec._idle_kv[id(model)] for model in (spec.target_model, spec.draft_model)])
@@ -129,4 +132,8 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, b
     assert reasons, "no recompilation at all: the guard record is not being read"
     assert not [r for r in reasons if "past_key_values" in r and "size mismatch" in r], reasons
     assert all(pair[0] is caches[0][0] and pair[1] is caches[0][1] for pair in caches)
+    # every new shape is announced once (a compile inside a generation says so), none twice
+    compiling = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
+    assert compiling and len(compiling) == len(set(compiling)), compiling
+    assert {m.split(" over a ")[1] for m in compiling} == {"256-position cache (once per shape)"}, compiling
     torch._dynamo.reset()

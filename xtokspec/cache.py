@@ -22,11 +22,16 @@ into a batch of rows for the draft's tree (always a DynamicCache: it lives for o
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .types import XTokSpecError
+
+log = logging.getLogger("xtokspec")
 
 CACHE_BACKENDS = ("dynamic", "static")
 # Lengths a compiled forward is padded to, so that a captured graph is recorded once per bucket, not per K.
@@ -37,14 +42,18 @@ MIN_COMPILED_CAPACITY = 256
 
 
 def compiled_capacity(needed: int, limit: int) -> int:
-    """The static buffer size for a compiled model: `needed` positions rounded up to a power of two (at least
-    MIN_COMPILED_CAPACITY), at most the model's `limit`.
+    """The static buffer size for a compiled model: `needed` positions rounded up to the next of 256, 384, 512,
+    768, 1024, 1536, ... (a power of two or 1.5 times one), at most the model's `limit`.
 
     torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
     every bucket of both models whenever a prompt's length was new: on an H100 at the 13B shapes that stalled
     the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, section GPU). Rounded, a process
-    compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows."""
-    size = max(MIN_COMPILED_CAPACITY, 1 << max(needed - 1, 0).bit_length())
+    compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows. Compiled steps attend
+    over the whole buffer, so the classes are kept within 1.5x of each other (at most a third of a buffer is
+    past the longest generation that needed it), at about twice as many classes as powers of two alone."""
+    size = MIN_COMPILED_CAPACITY
+    while size < needed:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return max(min(size, limit), needed)
 
 
@@ -201,17 +210,43 @@ class _StaticKV:
         self._length = n
 
 
-def compile_step(model):
-    """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode)."""
-    import torch._dynamo.config as dynamo_config
+class CompiledStep:
+    """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode).
 
-    # NOTE: one graph per bucket and model: a target and a draft of the same class share forward's code
-    # object, and past dynamo's recompile limit (8 by default) it would silently run eagerly.
-    needed = 4 * len(COMPILE_BUCKETS)
-    if getattr(dynamo_config, "recompile_limit", needed) < needed:
-        dynamo_config.recompile_limit = needed
-    mode = "reduce-overhead" if input_device(model).type == "cuda" else None
-    return torch.compile(model, mode=mode, dynamic=False)
+    torch.compile compiles inside the first call of each new shape (bucket length x buffer size): seconds on a
+    CPU, minutes for a 13B model on a GPU (BENCHMARKS.md, section GPU). Those calls are logged (logger
+    "xtokspec", INFO; the CLI prints it), with their duration, so a long first generation says why it is long."""
+
+    def __init__(self, model, role: str = "model"):
+        import torch._dynamo.config as dynamo_config
+
+        # NOTE: one graph per bucket and model: a target and a draft of the same class share forward's code
+        # object, and past dynamo's recompile limit (8 by default) it would silently run eagerly.
+        needed = 4 * len(COMPILE_BUCKETS)
+        if getattr(dynamo_config, "recompile_limit", needed) < needed:
+            dynamo_config.recompile_limit = needed
+        self.cuda = input_device(model).type == "cuda"
+        self.compiled = torch.compile(model, mode="reduce-overhead" if self.cuda else None, dynamic=False)
+        self.role = role
+        self.shapes: set[tuple[int, int | None]] = set()
+
+    def __call__(self, *, input_ids: torch.Tensor, past_key_values, **kwargs):
+        layers = getattr(past_key_values, "layers", None) or [None]
+        shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None))
+        if shape in self.shapes:
+            return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        what = f"the {self.role}'s {shape[0]}-id step over a {shape[1]}-position cache"
+        log.info("compiling %s (once per shape%s)", what, "; minutes for a large model" if self.cuda else "")
+        start = time.perf_counter()
+        out = self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        self.shapes.add(shape)
+        log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
+        return out
+
+
+def compile_step(model, role: str = "model") -> CompiledStep:
+    """`model` compiled for fixed-length calls (see CompiledStep)."""
+    return CompiledStep(model, role)
 
 
 class ModelState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .bench import add_bench_parser, calibration_lines, read_text
@@ -73,6 +74,20 @@ def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
     return None, []  # the target's generation_config decides (greedy for the bundled models)
 
 
+class _StderrHandler(logging.Handler):
+    """The library's INFO messages (e.g. compiling a step) as '[xtokspec] ...' lines on the current stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"[xtokspec] {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _show_library_log() -> None:
+    logger = logging.getLogger("xtokspec")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(logging.INFO)
+
+
 def _generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the models is checked first (loading takes seconds).
     prompt = _read_prompt(args)
@@ -100,6 +115,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .types import GenerationStats
 
     hf_logging.disable_progress_bar()  # NOTE: no weight-loading bars on every run
+    _show_library_log()
     spec = XTokSpec(
         args.target, args.draft, config=config,
         large_kwargs=_load_kwargs(args.dtype, args.target_device),

@@ -432,7 +432,8 @@ class XTokSpec:
         if config.compile:
             step = self._steps.get(id(model))
             if step is None:
-                step = self._steps[id(model)] = compile_step(model)
+                role = "target" if model is self.target_model else "draft"
+                step = self._steps[id(model)] = compile_step(model, role)
             # NOTE: taken, not shared: a generation still running (another open stream) keeps its own cache
             reuse = self._idle_kv.pop(id(model), None)
         return ModelState(model, ids, backend, capacity, step, tree_nodes, reuse)
