@@ -137,3 +137,14 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, b
     assert compiling and len(compiling) == len(set(compiling)), compiling
     assert {m.split(" over a ")[1] for m in compiling} == {"256-position cache (once per shape)"}, compiling
     torch._dynamo.reset()
+
+
+def test_trees_with_compile_say_they_run_eagerly_and_stay_lossless(eager_compile, tiny_target, bpe_tokenizer):
+    """Token trees bypass the compiled steps (an eager draft level costs 10x a captured step on an H100), which
+    a user who asked for both must be told; the output is still the target's own."""
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True, tree_width=2))
+    with pytest.warns(UserWarning, match="token trees run outside the compiled steps") as caught:
+        result = spec.generate(PROMPTS[0], max_new_tokens=12)
+    assert caught[0].filename == __file__  # attributed to the caller
+    assert result.token_ids == target_ids(tiny_target, PROMPTS[0], 12)
+    assert result.stats.proposal.endswith(" tree") and result.stats.cache == "static/static+compile"

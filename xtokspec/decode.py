@@ -484,6 +484,13 @@ class XTokSpec:
                 f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
                 f"{type(self.target_model).__name__} has {sliding_layers(self.target_model)} layers: use tree_width=1"
             )
+        if config.tree_width > 1 and config.compile:
+            warnings.warn(
+                f"tree_width={config.tree_width} with compile=True: token trees run outside the compiled steps (their "
+                "draft levels and tree-masked verification are eager), so they do not get CUDA graphs' speed; on a "
+                "GPU a compiled chain (tree_width=1) is predicted faster (BENCHMARKS.md, section GPU)",
+                UserWarning, stacklevel=4,  # user code -> generate -> _cycles -> here
+            )
         kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
         stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
         with torch.inference_mode():
