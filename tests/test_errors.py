@@ -21,6 +21,10 @@ from xtokspec import XTokSpec, XTokSpecError
         ("東京", {"do_sample": True, "top_p": 0}, r"top_p must be in \(0, 1\]"),
         ("東京", {"do_sample": True, "top_k": -2}, "top_k must be an integer >= 0"),
         ("東京", {"do_sample": True, "proposal": "magic"}, "proposal must be"),
+        ("東京", {"num_draft_tokens": 0}, "need 1 <= num_draft_tokens"),  # not the default in disguise
+        ("東京", {"num_draft_tokens": 2.5}, "num_draft_tokens must be an integer, got 2.5"),
+        ("東京", {"num_draft_tokens": True}, "num_draft_tokens must be an integer, got True"),
+        ("東京", {"tree_width": 0}, "tree_width must be an integer >= 1"),
     ],
 )
 def test_bad_arguments_are_named(tiny_spec, prompt, kwargs, match):

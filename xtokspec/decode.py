@@ -471,10 +471,11 @@ class XTokSpec:
         """The loop over prepared prompt ids (`_cycles` and the transformers entry point, xtokspec/hf.py)."""
         config = self.config
         if num_draft_tokens is not None or adaptive is not None:
+            k = config.num_draft_tokens if num_draft_tokens is None else num_draft_tokens  # NOTE: 0 is refused, not the default
             config = dataclasses.replace(
                 config,
-                num_draft_tokens=num_draft_tokens or config.num_draft_tokens,
-                max_draft_tokens=max(config.max_draft_tokens, num_draft_tokens or 0),
+                num_draft_tokens=k,
+                max_draft_tokens=max(config.max_draft_tokens, k) if isinstance(k, int) else config.max_draft_tokens,
                 adaptive=config.adaptive if adaptive is None else adaptive,
             )
         if tree_width is not None:

@@ -90,6 +90,10 @@ class SpecConfig:
     prune_tree: bool = True  # with adaptive: verify only the drafted nodes worth their measured cost
 
     def __post_init__(self) -> None:
+        for name in ("num_draft_tokens", "max_draft_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise XTokSpecError(f"{name} must be an integer, got {value!r}")
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
             raise XTokSpecError(
                 f"need 1 <= num_draft_tokens <= max_draft_tokens, got {self.num_draft_tokens}, {self.max_draft_tokens}"
