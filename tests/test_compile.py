@@ -148,3 +148,22 @@ def test_trees_with_compile_say_they_run_eagerly_and_stay_lossless(eager_compile
     assert caught[0].filename == __file__  # attributed to the caller
     assert result.token_ids == target_ids(tiny_target, PROMPTS[0], 12)
     assert result.stats.proposal.endswith(" tree") and result.stats.cache == "static/static+compile"
+
+
+def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokenizer):
+    """A generation that raised inside a forward can leave some layers' write positions ahead of the length the
+    cache believes in; the next generation that takes the buffer over must still write from position 0."""
+    from xtokspec.cache import ModelState
+
+    model = tiny_llama(sp_tokenizer, seed=4)
+    step = lambda **kwargs: model(**kwargs)  # noqa: E731
+    first = ModelState(model, [5, 6, 7, 8], "static", 64, step)
+    with torch.inference_mode():
+        first.forward(keep=1)
+    first.kv._length = 0  # as if the prefill had raised after its layers wrote: their positions stay at 4
+    again = ModelState(model, [9, 10, 11], "static", 64, step, reuse=first.kv)
+    assert again.kv is first.kv
+    with torch.inference_mode():
+        logits = again.forward(keep=3)
+        fresh = model(input_ids=torch.tensor([[9, 10, 11]])).logits[0]
+    torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)

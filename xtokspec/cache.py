@@ -11,7 +11,9 @@ Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dyn
   hides them (a query at position t attends to positions <= t). This relies on StaticLayer writing at
   `cumulative_length + arange(T)` (transformers 5.x; tests/test_cache.py pins it against the installed version).
   That whole-buffer layer serves compiled steps (fixed shapes); eager forwards use `_PrefixStaticLayer`, the
-  same buffer with a Python-int length, which attends over the written prefix only.
+  same buffer with a Python-int length, which attends over the written prefix only. A compiled model's buffer
+  has one of a few sizes (`compiled_capacity`) and passes from one generation to the next (`reuse`), so its
+  graphs are compiled once per size and keep their buffers' addresses.
 
 Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
@@ -199,6 +201,11 @@ class _StaticKV:
     def layer_tensors(self):
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
+    def reset(self) -> None:
+        """Empty, whatever state a forward left it in (one that raised may have moved some layers' lengths)."""
+        self._length = max(self._length, 1)
+        self.rollback(0)
+
     def rollback(self, n: int) -> None:
         if n >= self._length:
             return
@@ -275,7 +282,7 @@ class ModelState:
             capacity = compiled_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
         if step is not None and reuse is not None and reuse.capacity >= capacity + tree_nodes:
-            reuse.rollback(0)
+            reuse.reset()
             self.kv = reuse
         elif backend == "static":
             self.kv = _StaticKV(model, capacity + tree_nodes, prefix=step is None)
