@@ -211,9 +211,6 @@ def main() -> None:
         (out / "loop.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         (out / "loop.md").write_text(markdown(meta, results))
 
-    previous = out / "loop.json"  # a run over the other drafts keeps that run's rows
-    if previous.exists():
-        results.update(json.loads(previous.read_text())["results"])
     results["target generate (transformers)"] = run_hf(target, None, sp, args.tokens, args.k, args.device)
     print("target alone:", results["target generate (transformers)"]["median_cycle_ms"], "ms per call", flush=True)
     save()
