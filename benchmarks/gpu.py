@@ -253,10 +253,10 @@ def main() -> None:
         # written after each pair, so that a run stopped at its time limit keeps the first
         pair = stored.get(name) or measure_pair(name, *shapes(args.tiny)[name], args.device, args.reps)
         pairs.append({k: ({int(m): v for m, v in c.items()} if isinstance(c, dict) else c) for k, c in pair.items()})
-        traces = args.traces
-        eager = {(r["system"], r["mode"]): r["predicted_speedup"] for r in predict(pairs[-1], traces, overhead, "static")}
+        eager = {(r["system"], r["mode"]): r["predicted_speedup"]
+                 for r in predict(pairs[-1], args.traces, overhead, "static")}
         predictions[name] = [r | {"predicted_eager": eager.get((r["system"], r["mode"]), float("nan"))}
-                             for r in predict(pairs[-1], traces, overhead)]
+                             for r in predict(pairs[-1], args.traces, overhead)]
         (out / "gpu.json").write_text(json.dumps({"meta": meta, "pairs": pairs, "predictions": predictions}, indent=1))
         (out / "gpu.md").write_text(markdown(meta, pairs, predictions))
     print((out / "gpu.md").read_text())
