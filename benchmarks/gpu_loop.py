@@ -5,7 +5,7 @@ the 13B pair's shapes (llm-jp-13b: GPT-2 style, 40 layers, hidden 5120; open-cal
 hidden 768), each with the vocabulary of a fixture tokenizer (the SentencePiece target's, and the byte-level BPE
 draft's or the target's own for the same-tokenizer pair), so that the real bridge runs on real token bytes.
 
-Every model call of the loop (`ModelState.forward`, `feed`, `forward_tree`) is bracketed by CUDA events, which
+Every model call of the loop (`ModelState.forward`, `feed`, `forward_tree`, `grow_tree`) is bracketed by CUDA events, which
 the host never waits on; after the run one synchronisation reads them. The loop's overhead is the run's wall time
 minus the time between each call's two events: the bridge, sampling and acceptance, host syncs and Python.
 
@@ -15,6 +15,7 @@ shapes (same tokenizer, K drafted every cycle), and the target's own `generate`,
 
     python benchmarks/gpu_loop.py --out "$OUT/loop"                  # on the GPU machine (about 2 minutes)
     python benchmarks/gpu_loop.py --compile --out "$OUT/loop-c"      # the same with CUDA graphs
+    python benchmarks/gpu_loop.py --compile --tree-width 4 --out "$OUT/loop-t"  # captured width-4 trees
     python benchmarks/gpu_loop.py --tiny --device cpu --out /tmp/loop # smoke test on a CPU
 Writes loop.json and loop.md to --out.
 """
@@ -45,7 +46,7 @@ PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマ�
 class CallTimer:
     """Brackets ModelState's model calls with CUDA events (no host wait); `seconds()` syncs once and sums them."""
 
-    METHODS = ("forward", "feed", "forward_tree")
+    METHODS = ("forward", "feed", "forward_tree", "grow_tree")
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
@@ -116,7 +117,8 @@ def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
             model = timer.seconds()
         cycles = result.stats.target_forwards
         rows.append({"prompt": prompt, "tokens": len(result.token_ids), "cycles": cycles,
-                     "draft_forwards": result.stats.draft_forwards, "wall_s": wall, "model_s": model,
+                     "draft_forwards": result.stats.draft_forwards, "nodes": result.stats.drafted / cycles,
+                     "wall_s": wall, "model_s": model,
                      "cycle_ms": 1e3 * wall / cycles, "overhead_ms": 1e3 * (wall - model) / cycles,
                      "overhead_share": (wall - model) / wall})
     return summarise(rows)
@@ -165,17 +167,18 @@ def markdown(meta: dict, results: dict) -> str:
     lines = [f"GPU: {meta['device_name']}; torch {meta['torch']}, transformers {meta['transformers']}; bf16 random "
              f"weights at the {meta['pair']} shapes with the fixture tokenizers' vocabularies; K = {meta['k']} fixed; "
              f"{meta['tokens']} new tokens x {len(PROMPTS)} prompts; medians over prompts.", "",
-             "| system | cycles | ms per cycle | model calls ms per cycle | loop overhead ms per cycle | overhead share |",
-             "|---|---|---|---|---|---|"]
+             "| system | cycles | proposals verified per cycle | ms per cycle | model calls ms per cycle | "
+             "loop overhead ms per cycle | overhead share |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
         elif "median_overhead_ms" in r:
-            lines.append(f"| {name} | {r['median_cycles']:.0f} | {r['median_cycle_ms']:.2f} | "
+            lines.append(f"| {name} | {r['median_cycles']:.0f} | {r['median_nodes']:.1f} | {r['median_cycle_ms']:.2f} | "
                          f"{r['median_cycle_ms'] - r['median_overhead_ms']:.2f} | {r['median_overhead_ms']:.2f} | "
                          f"{100 * r['median_overhead_share']:.1f}% |")
         else:
-            lines.append(f"| {name} | {r['median_cycles']:.0f} | {r['median_cycle_ms']:.2f} | | | |")
+            lines.append(f"| {name} | {r['median_cycles']:.0f} | | {r['median_cycle_ms']:.2f} | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,6 +193,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run xtokspec with SpecConfig(compile=True) instead of the default configuration "
                              "(compiling the 13B shape's buckets takes minutes)")
+    parser.add_argument("--tree-width", type=int, default=1,
+                        help="token trees of this width (every drafted node verified: adaptive is off)")
     parser.add_argument("--drafts", nargs="+", default=["same", "bridged"], choices=["same", "bridged"],
                         help="which drafts run (a compiled run of both may not fit in one 10-minute device call)")
     args = parser.parse_args()
@@ -199,7 +204,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "pair": args.pair,
-            "k": args.k, "tokens": args.tokens, "tiny": args.tiny}
+            "k": args.k, "tokens": args.tokens, "tiny": args.tiny, "tree_width": args.tree_width}
     target_config, draft_config = shapes(args.tiny)[args.pair]
     sp, bpe = tokenizer("ja-target"), tokenizer("ja-draft-bpe")
     torch.manual_seed(0)
@@ -217,10 +222,13 @@ def main() -> None:
     for draft_name, draft_tok in [d for d in (("same", sp), ("bridged", bpe)) if d[0] in args.drafts]:
         draft = build(with_vocab(draft_config, len(draft_tok)), args.device, torch.bfloat16)
         no_eos(draft, draft_tok)
+        tree = {"tree_width": args.tree_width}
+        suffix = f" tree{args.tree_width}" if args.tree_width > 1 else ""
         if args.compile:
-            configs = {" compiled": SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=True, cache="static")}
+            configs = {f"{suffix} compiled": SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=True,
+                                                        cache="static", **tree)}
         else:
-            configs = {"": SpecConfig(adaptive=False, num_draft_tokens=args.k)}
+            configs = {suffix: SpecConfig(adaptive=False, num_draft_tokens=args.k, **tree)}
         for suffix, config in configs.items():
             name = f"xtokspec {draft_name}{suffix}"
             try:
@@ -231,7 +239,7 @@ def main() -> None:
                 results[name] = {"error": repr(error)}
                 print(name, "FAILED", repr(error), flush=True)
             save()
-        if draft_name == "same":
+        if draft_name == "same" and args.tree_width == 1:
             results["assisted generation (transformers)"] = run_hf(target, draft, sp, args.tokens, args.k, args.device)
             print("assisted:", results["assisted generation (transformers)"]["median_cycle_ms"], flush=True)
             save()

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh 5   # what the first GPU session left: the sync and tree tests, the syncs, 7B/1B
 #   bash benchmarks/gpu_run.sh 6 same|bridged   # the loop's overhead with CUDA graphs, one draft per call
 #   bash benchmarks/gpu_run.sh 7 ["-k expression"]   # chi-square cases on CUDA (about two per call)
+#   bash benchmarks/gpu_run.sh 8 same|bridged   # captured width-4 trees at the 13B shapes, one draft per call
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -57,6 +58,10 @@ case "${1:-1}" in
     # tenth session ran "tree_sampling and static", "static-intersection" and "longer_runs")
   XTOKSPEC_TEST_DEVICE=cuda step 540 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
     --durations=0 tests/test_stats.py -k "${2:-tree_sampling and dynamic or switching_proposal_kinds}"
+  ;;
+8)  # captured token trees (tree-masked compiled steps) at the 13B shapes: cost per cycle, nodes per cycle
+  step 540 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
+    --out "$OUT/loopt-${2:-bridged}"
   ;;
 esac
 # one archive: the device returns at most 8 files

@@ -97,13 +97,16 @@ def test_padded_buckets_are_lossless_on_the_fixtures(draft, eager_compile, ja_ta
 
 
 @pytest.mark.slow
-def test_compiled_greedy_equals_target(sp_tokenizer, bpe_tokenizer):
-    """A real torch.compile (inductor on the CPU; a few seconds per bucket for these tiny models)."""
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_compiled_greedy_equals_target(tree_width, sp_tokenizer, bpe_tokenizer):
+    """A real torch.compile (inductor on the CPU; a few seconds per bucket for these tiny models), for chains and
+    for trees (tree-masked steps with explicit positions)."""
     target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
     draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)
-    config = SpecConfig(compile=True, adaptive=False, num_draft_tokens=3)
+    config = SpecConfig(compile=True, adaptive=False, num_draft_tokens=3, tree_width=tree_width)
     compiled = XTokSpec(target, draft, config=config)
-    eager = XTokSpec(target, draft, config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=3))
+    eager = XTokSpec(target, draft, config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=3,
+                                                      tree_width=tree_width))
     for prompt in PROMPTS:
         want = target_ids(target, prompt, 24)
         assert compiled.generate(prompt, max_new_tokens=24).token_ids == want, prompt
@@ -111,7 +114,9 @@ def test_compiled_greedy_equals_target(sp_tokenizer, bpe_tokenizer):
     assert max(COMPILE_BUCKETS) >= 4
 
 
-def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, bpe_tokenizer, monkeypatch, caplog):
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, tiny_target, bpe_tokenizer, monkeypatch,
+                                                                   caplog):
     """A new prompt length must not recompile: torch.compile specialises on the static buffer's shape, and a
     buffer sized to each prompt recompiled every bucket of both models (on an H100 at the 13B shapes, a ~100 s
     stall in the middle of a generation). Dynamo runs for real here, with its eager backend (guards without
@@ -122,7 +127,8 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, b
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real_compile(model, backend="eager", dynamic=False))
     torch._dynamo.reset()
-    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True))
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer),
+                    config=SpecConfig(compile=True, tree_width=tree_width))
     caches = []
     caplog.set_level(logging.INFO, logger="xtokspec")
     for prompt in ["東京", *PROMPTS]:  # 2 to 13 target ids
@@ -135,19 +141,31 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tiny_target, b
     # every new shape is announced once (a compile inside a generation says so), none twice
     compiling = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
     assert compiling and len(compiling) == len(set(compiling)), compiling
-    assert {m.split(" over a ")[1] for m in compiling} == {"256-position cache (once per shape)"}, compiling
+    sizes = {m.split("'s ")[0]: set() for m in compiling}  # per model: its buffer's sizes
+    for m in compiling:
+        sizes[m.split("'s ")[0]].add(m.split(" over a ")[1])
+    assert all(len(s) == 1 for s in sizes.values()), compiling  # one buffer size each
+    if tree_width > 1:  # and tree steps beside the chain's
+        assert any(" tree step " in m for m in compiling), compiling
     torch._dynamo.reset()
 
 
-def test_trees_with_compile_say_they_run_eagerly_and_stay_lossless(eager_compile, tiny_target, bpe_tokenizer):
-    """Token trees bypass the compiled steps (an eager draft level costs 10x a captured step on an H100), which
-    a user who asked for both must be told; the output is still the target's own."""
-    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile=True, tree_width=2))
-    with pytest.warns(UserWarning, match="token trees run outside the compiled steps") as caught:
-        result = spec.generate(PROMPTS[0], max_new_tokens=12)
-    assert caught[0].filename == __file__  # attributed to the caller
-    assert result.token_ids == target_ids(tiny_target, PROMPTS[0], 12)
+@pytest.mark.parametrize("draft", ["bridged", "same"])
+def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_compile, ja_target, ja_draft_bpe,
+                                                                ja_draft_same, heldout_prompts):
+    """Token trees are captured too: the target verifies each trie, and the draft grows each level of its beam,
+    in padded tree-masked calls through the compiled steps (an eager draft level costs 10x a captured step on an
+    H100). The output is still the target's own."""
+    spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same,
+                    config=SpecConfig(compile=True, tree_width=4))
+    for prompt in heldout_prompts[:4] + PROMPTS:
+        result = spec.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == target_ids(ja_target, prompt, 24), prompt
     assert result.stats.proposal.endswith(" tree") and result.stats.cache == "static/static+compile"
+    for model in (spec.target_model, spec.draft_model):
+        trees = sorted(length for length, _, tree in spec._steps[id(model)].shapes if tree)
+        assert trees and max(trees) <= max(COMPILE_BUCKETS), trees
+    assert max(result.stats.proposal_lengths) > 1  # tries of several nodes
 
 
 def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokenizer):

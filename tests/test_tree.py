@@ -138,15 +138,30 @@ def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_
         assert stats.pruned_nodes == 0 and max(stats.proposal_lengths) > 1
 
 
-@pytest.mark.parametrize("backend", ["dynamic", "static"])
+def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None = None) -> ModelState:
+    """A ModelState on `backend`; "static+step": the static cache of a compiled model, with an uncompiled step
+    that records each call's length (padded buckets over the whole buffer, as a captured graph runs)."""
+    if backend != "static+step":
+        return ModelState(model, prompt, backend, 40, tree_nodes=16)
+
+    def step(**kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return model(**kwargs)
+
+    return ModelState(model, prompt, "static", 40, step, tree_nodes=16)
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
 def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend, ja_target):
     """Row n of the tree forward equals a plain forward over the path to node n; after keep_path the cache
-    holds exactly the committed ids (the next forward equals a plain forward over them)."""
+    holds exactly the committed ids (the next forward equals a plain forward over them). With a compiled step
+    the forward is padded to a bucket (2 ids + 12 nodes -> 16) and its padding rolled back."""
     model, _ = ja_target
     prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12], [5, 6, 13]])
+    calls = []
     with torch.inference_mode():
-        state = ModelState(model, prompt, backend, 40, tree_nodes=16)
+        state = tree_state(model, prompt, backend, calls)
         state.forward(keep=1)
         state.ids += [42, 43]  # two uncached ids before the tree
         logits = state.forward_tree(trie.tokens, trie.parents)
@@ -161,6 +176,38 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend,
         state.ids.append(99)
         got = state.forward(keep=1)[0]
         torch.testing.assert_close(got, model(input_ids=torch.tensor([state.ids])).logits[0, -1], atol=1e-4, rtol=0)
+    assert calls == ([16, 1] if backend == "static+step" else [])
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
+def test_a_tree_grown_level_by_level_scores_every_path_and_truncates_away(backend, ja_target):
+    """grow_tree (the draft's beam, one forward per level on its own cache): row i of each level equals a plain
+    forward over the path to that node; truncate drops every node (the next forward equals a plain one)."""
+    model, _ = ja_target
+    prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    levels = [([5, 9], [0, 0]), ([6, 8, 10], [1, 1, 2]), ([7, 7], [3, 4])]  # nodes 1-2, 3-5, 6-7
+    paths = {0: []}
+    calls = []
+    with torch.inference_mode():
+        state = tree_state(model, prompt, backend, calls)
+        state.forward(keep=1)
+        for tokens, parents in levels:
+            logits = state.grow_tree(tokens, parents)
+            assert logits.shape[0] == len(tokens)
+            for i, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+                node = state.tree_size - len(tokens) + 1 + i
+                paths[node] = paths[parent] + [token]
+                want = model(input_ids=torch.tensor([prompt + paths[node]])).logits[0, -1]
+                torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=0)
+        assert state.tree_size == 7 and state.cached == len(prompt) + 7
+        with pytest.raises(ValueError, match="parent 9"):
+            state.grow_tree([1], [9])
+        state.truncate(len(prompt))
+        assert state.tree_size == 0 and state.cached == len(prompt)
+        state.ids.append(99)
+        got = state.forward(keep=1)[0]
+        torch.testing.assert_close(got, model(input_ids=torch.tensor([state.ids])).logits[0, -1], atol=1e-4, rtol=0)
+    assert calls == ([2, 4, 2, 1] if backend == "static+step" else [])
 
 
 def random_case(seed: int, vocab: int = 6, nodes: int = 7):
@@ -211,15 +258,27 @@ def test_greedy_tree_follows_the_argmax_path():
 @pytest.mark.slow
 @pytest.mark.parametrize("draft, width, backend", [("bridged", 2, "dynamic"), ("bridged", 4, "dynamic"),
                                                    ("bridged", 8, "static"), ("same", 4, "dynamic"),
-                                                   ("same", 3, "static")])
+                                                   ("same", 3, "static"), ("bridged", 4, "rows")])
 def test_greedy_tree_equals_target(draft, width, backend, ja_target, ja_draft_bpe, ja_draft_same,
-                                   heldout_prompts):
-    """Greedy token trees are lossless: the target's own generate, token for token (or a reported near-tie)."""
+                                   heldout_prompts, monkeypatch):
+    """Greedy token trees are lossless: the target's own generate, token for token (or a reported near-tie).
+    "rows": the draft's beam as batch rows over a copy of its cache, the path of drafts with sliding-window
+    layers (Gemma-3), forced here on the fixture draft."""
+    import xtokspec.cache
+
+    rows = backend == "rows"
+    if rows:
+        monkeypatch.setattr(xtokspec.cache, "sliding_layers", lambda model: ["sliding_attention"])
+        backend = "dynamic"
+    copies = []
+    branches = ModelState.branches
+    monkeypatch.setattr(ModelState, "branches", lambda state, n: copies.append(n) or branches(state, n))
     spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same,
                     config=SpecConfig(tree_width=width, cache=backend))
     result = spec.generate(heldout_prompts[0], max_new_tokens=16)
     assert result.stats.proposal.endswith(" tree") and result.stats.cache.startswith(backend)
     assert max(result.stats.proposal_lengths) > 1  # the tree carried several nodes
+    assert bool(copies) == rows  # the beam grew on the draft's own cache, or (rows) in copied batch rows
     for line in check_prompts(spec, ja_target, heldout_prompts[:16] + HOSTILE_PROMPTS, NEW_TOKENS, {}):
         print("near-tie:", line)
 

@@ -18,8 +18,11 @@ Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dyn
 Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
 cache, the uncached ids and its own ancestors); `keep_path` then moves the accepted nodes' keys and values to
-the positions right after the uncached ids, in place, and rolls the rest back. `branches` copies the cache
-into a batch of rows for the draft's tree (always a DynamicCache: it lives for one cycle).
+the positions right after the uncached ids, in place, and rolls the rest back. The draft grows its beam
+level by level on its own cache the same way (`grow_tree`; `truncate` drops the nodes). Both run through the
+compiled step when there is one (padded buckets with a mask over the whole buffer: one more graph per bucket).
+`branches` copies the cache into a batch of rows instead, for a draft with sliding-window layers (a ring buffer
+cannot hold a tree's nodes and then drop them; always a DynamicCache: it lives for one cycle).
 """
 
 from __future__ import annotations
@@ -229,20 +232,21 @@ class CompiledStep:
 
         # NOTE: one graph per bucket and model: a target and a draft of the same class share forward's code
         # object, and past dynamo's recompile limit (8 by default) it would silently run eagerly.
-        needed = 4 * len(COMPILE_BUCKETS)
+        needed = 8 * len(COMPILE_BUCKETS)  # chain and tree steps, two models
         if getattr(dynamo_config, "recompile_limit", needed) < needed:
             dynamo_config.recompile_limit = needed
         self.cuda = input_device(model).type == "cuda"
         self.compiled = torch.compile(model, mode="reduce-overhead" if self.cuda else None, dynamic=False)
         self.role = role
-        self.shapes: set[tuple[int, int | None]] = set()
+        self.shapes: set[tuple[int, int | None, bool]] = set()
 
     def __call__(self, *, input_ids: torch.Tensor, past_key_values, **kwargs):
         layers = getattr(past_key_values, "layers", None) or [None]
-        shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None))
+        tree = kwargs.get("attention_mask") is not None  # a tree-masked forward: its own graph
+        shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None), tree)
         if shape in self.shapes:
             return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
-        what = f"the {self.role}'s {shape[0]}-id step over a {shape[1]}-position cache"
+        what = f"the {self.role}'s {shape[0]}-id {'tree ' if tree else ''}step over a {shape[1]}-position cache"
         log.info("compiling %s (once per shape%s)", what, "; minutes for a large model" if self.cuda else "")
         start = time.perf_counter()
         out = self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
@@ -281,6 +285,9 @@ class ModelState:
         if step is not None:
             capacity = compiled_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
+        self._tree_parents: list[int] | None = None  # the open tree's parents per node (node 0: -1); None: none
+        # A sliding-window layer's cache is a ring buffer: it cannot hold a tree's nodes and then drop them.
+        self.grows_trees = not sliding_layers(model)
         if step is not None and reuse is not None and reuse.capacity >= capacity + tree_nodes:
             reuse.reset()
             self.kv = reuse
@@ -354,45 +361,98 @@ class ModelState:
         """Keep ids[:n]; roll the cache back to at most n positions."""
         del self.ids[n:]
         self.kv.rollback(n)
+        self._tree_parents = None  # an open tree's nodes are past every id: gone
 
     # ------------------------------------------------------------ token trees
+    # A tree's node n >= 1 sits at cache position base + n - 1, one position past its parent (node 0, the root,
+    # is the last id before it); it attends to the ids before the root, the root, its ancestors and itself.
+    # The target feeds a whole trie at once (`forward_tree`, then `keep_path`); the draft grows one level of its
+    # beam per call (`grow_tree`) and drops the nodes with `truncate`.
+    @property
+    def tree_size(self) -> int:
+        """Nodes of the open tree (0 when none is open)."""
+        return len(self._tree_parents) - 1 if self._tree_parents else 0
+
     def forward_tree(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """Feed ids[cached:] and then trie nodes (node n >= 1: token tokens[n] under parent parents[n]; node 0 is
         the last uncached id) in one forward -> logits (N+1, V): row 0 after the ids, row n after node n.
 
-        Runs eagerly (not through a compiled step). Until `keep_path`, the cache holds the nodes too."""
+        With a compiled step, the forward is padded to a bucket and captured like a chain's (the padding's
+        positions are rolled back). Until `keep_path`, the cache holds the nodes too."""
         if self.cached >= len(self.ids):
             self.kv.rollback(len(self.ids) - 1)
         new = self.ids[self.cached :]
-        nodes = len(tokens) - 1
-        total = len(self.ids) + nodes
-        if total > self.kv.capacity:
-            raise RuntimeError(f"{total} ids and tree nodes exceed the cache's {self.kv.capacity} positions")
-        start, u = self.cached, len(new)
-        depth = [0] * len(tokens)
-        for n in range(1, len(tokens)):
-            depth[n] = depth[parents[n]] + 1
-        positions = list(range(start, start + u)) + [start + u - 1 + depth[n] for n in range(1, len(tokens))]
+        self._tree_base, self._tree_parents, self._tree_depths = self.cached + len(new), [-1], [0]
+        return self._tree_forward(new, tokens[1:], parents[1:])
+
+    def grow_tree(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed the next nodes of a tree rooted at the last id (cached): node tree_size + 1 + i is tokens[i] under
+        node parents[i] (0: the root; else a node fed before) -> logits (len(tokens), V), row i after node i.
+
+        The first call opens the tree; `truncate` (or `forward_tree`) drops it. Drafting a beam this way is one
+        (1, width) forward per level on the model's own cache: fixed shapes that a compiled step captures, and
+        no copy of the cache into batch rows."""
+        if not self._tree_parents:
+            if self.cached != len(self.ids):
+                raise RuntimeError(f"a tree grows from cached ids only ({self.cached} of {len(self.ids)} cached)")
+            self._tree_base, self._tree_parents, self._tree_depths = self.cached, [-1], [0]
+        if self.cached != self._tree_base + self.tree_size:
+            raise RuntimeError("the tree's nodes are no longer in the cache")
+        return self._tree_forward([], tokens, parents)
+
+    def _tree_forward(self, new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """One forward over uncached ids `new` (causal) and then nodes `tokens` under `parents` (tree-masked)
+        -> logits (1 + len(tokens), V) from the last new id on, or (len(tokens), V) without new ids."""
+        start, u, n = self.cached, len(new), len(tokens)
+        first = len(self._tree_parents)  # the first new node's number
+        bad = [p for j, p in enumerate(parents) if not 0 <= p < first + j]
+        if bad:  # NOTE: checked before anything changes
+            raise ValueError(f"tree node parent {bad[0]} is not a node fed before its child")
+        for parent in parents:
+            self._tree_parents.append(parent)
+            self._tree_depths.append(self._tree_depths[parent] + 1)
+        base, total = self._tree_base, len(self._tree_parents) - 1
+        rows = u + n
+        if start + rows > self.kv.capacity:
+            raise RuntimeError(f"{start + rows} ids and tree nodes exceed the cache's {self.kv.capacity} positions")
+        bucket = self._tree_bucket(rows)
+        width = bucket or rows
+        positions = ([start + i for i in range(u)] + [base - 1 + self._tree_depths[first + j] for j in range(n)]
+                     + [start + r for r in range(rows, width)])  # padding: any position; its writes roll back
+        # visible[r, c]: row r attends to cache position c. Rows are: u ids, n nodes, then padding.
+        prefix = torch.tensor([start + i + 1 for i in range(u)] + [base] * n + [start] * (width - rows))
+        visible = torch.arange(self.kv.mask_length(width))[None, :] < prefix[:, None]  # (width, L)
+        if total:
+            ancestry = torch.zeros(n, total, dtype=torch.bool)  # (n, nodes so far): node j sees node m
+            for j in range(n):
+                a = first + j
+                while a > 0:
+                    ancestry[j, a - 1] = True
+                    a = self._tree_parents[a]
+            visible[u : u + n, base : base + total] |= ancestry
+        visible[torch.arange(rows, width), torch.arange(start + rows, start + width)] = True  # padding: itself
         dtype = self.model.get_input_embeddings().weight.dtype
-        visible = torch.zeros(u + nodes, self.kv.mask_length(u + nodes), dtype=torch.bool)
-        visible[:, :start] = True  # the cache
-        visible[:u, start : start + u] = torch.ones(u, u, dtype=torch.bool).tril()  # the uncached ids: causal
-        visible[u:, start : start + u] = True  # every node follows all of them
-        for n in range(1, len(tokens)):  # each node sees its ancestors and itself
-            a = n
-            while a > 0:
-                visible[u - 1 + n, start + u - 1 + a] = True
-                a = parents[a]
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        input_ids = to_device([new + tokens[1:]], self.device)
-        out = self.model(
-            input_ids=input_ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=nodes + 1,
-            attention_mask=to_device(mask[None, None], self.device),
-            position_ids=to_device([positions], self.device),
-        )
-        self.kv.advance(u + nodes)
-        self._tree_base = start + u  # cache position of node 1
-        return out.logits[0]  # (N+1, V)
+        ids = to_device([new + tokens + [PAD_ID] * (width - rows)], self.device)  # (1, width)
+        kwargs = dict(attention_mask=to_device(mask[None, None], self.device, dtype),
+                      position_ids=to_device([positions], self.device))
+        keep = n + (u > 0)
+        if bucket:
+            out = self.step(input_ids=ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=width, **kwargs)
+            self.kv.advance(width)
+            self.kv.rollback(start + rows)  # the padding's positions
+            # NOTE: clone: a CUDA graph's output buffer is overwritten by its next replay.
+            return out.logits[0, rows - keep : rows].clone()
+        out = self.model(input_ids=ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=keep, **kwargs)
+        self.kv.advance(rows)
+        return out.logits[0]  # (keep, V)
+
+    def _tree_bucket(self, rows: int) -> int | None:
+        """The padded length of a compiled tree forward over `rows` ids and nodes, or None to run eagerly."""
+        if self.step is None or self.cached == 0:
+            return None
+        bucket = next((b for b in COMPILE_BUCKETS if b >= rows), None)
+        return bucket if bucket is not None and self.cached + bucket <= self.kv.capacity else None
 
     def keep_path(self, path: list[int], tokens: list[int]) -> None:
         """After `forward_tree`: keep the nodes on `path` (increasing node numbers) as ids and cache entries,
@@ -407,6 +467,7 @@ class ModelState:
                     moved = t.index_select(2, index_from.to(t.device))
                     t.index_copy_(2, index_to.to(t.device), moved)
         self.kv.rollback(base + len(path))
+        self._tree_parents = None
         self.ids.extend(tokens[n] for n in path)
 
     def branches(self, rows: int) -> DynamicCache:

@@ -28,6 +28,7 @@ import torch
 from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
 from .cache import (
+    COMPILE_BUCKETS,
     ModelState,
     choose_backend,
     compile_step,
@@ -485,13 +486,6 @@ class XTokSpec:
                 f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
                 f"{type(self.target_model).__name__} has {sliding_layers(self.target_model)} layers: use tree_width=1"
             )
-        if config.tree_width > 1 and config.compile:
-            warnings.warn(
-                f"tree_width={config.tree_width} with compile=True: token trees run outside the compiled steps (their "
-                "draft levels and tree-masked verification are eager), so they do not get CUDA graphs' speed; on a "
-                "GPU a compiled chain (tree_width=1) is predicted faster (BENCHMARKS.md, section GPU)",
-                UserWarning, stacklevel=4,  # user code -> generate -> _cycles -> here
-            )
         kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
         stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
         with torch.inference_mode():
@@ -553,11 +547,16 @@ class _Run:
         # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens
         # ids; the draft's text in its own tokens is unknown in advance: at most 3 per target token is budgeted,
         # and a draft that fills its cache only stops drafting (self.draft_limit), which costs speed, not output.
-        tree_nodes = self.config.max_tree_nodes if self.config.tree_width > 1 else 0
+        trees = self.config.tree_width > 1
         target = spec._model_state(spec.target_model, target_ids, self.config, len(target_ids) + max_new_tokens,
-                                   tree_nodes)
+                                   self.config.max_tree_nodes if trees else 0)
+        # the draft's beam: at most tree_width nodes per level, one level per draft step (grow_tree)
         draft = spec._model_state(spec.draft_model, draft_ids, self.config,
-                                  len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16)
+                                  len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16,
+                                  self.config.tree_width * self.config.max_draft_tokens if trees else 0)
+        # A compiled target verifies a trie in one captured call: at most the largest bucket, with the id before it.
+        self.max_tree_nodes = (min(self.config.max_tree_nodes, COMPILE_BUCKETS[-1] - 1) if target.step is not None
+                               else self.config.max_tree_nodes)
         self.target_limit = min(self.target_limit, target.capacity)
         self.draft_limit = min(self.draft_limit, draft.capacity)
         self.stats.cache = f"{target.backend}/{draft.backend}" + ("+compile" if self.config.compile else "")
@@ -755,7 +754,7 @@ class _Run:
         max_depth = max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))
         for path, eos, scores in branches:
             ids = self._bridge_branch(path, eos)
-            trie.insert(ids, max_depth, self.config.max_tree_nodes, self._node_values(path, scores, ids))
+            trie.insert(ids, max_depth, self.max_tree_nodes, self._node_values(path, scores, ids))
         full = trie.size
         trie = trie.pruned(self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0))
         t2 = time.perf_counter()
@@ -773,7 +772,7 @@ class _Run:
         target.keep_path(path, trie.tokens)
         target.ids.append(next_token)
         new_ids = self._committed(trie.path_tokens(path) + [next_token], remaining)
-        self._resync(draft, [], new_ids)  # NOTE: the branches lived in their own cache; re-encode the new text
+        self._resync(draft, [], new_ids)  # NOTE: drops the draft's tree; the new text is re-encoded
         t4 = time.perf_counter()
         rejected = bool(trie.children[path[-1] if path else 0])
         self.policy.calibrate(sum(trie.values[1:]), len(path))
@@ -790,7 +789,8 @@ class _Run:
         target's warpers applied when sampling), ranked by the path's probability under the draft; the draft's
         greedy chain goes on first, then the best candidates whose text differs from the others', up to
         tree_width paths. A path that no candidate continues is a branch.
-        Rows of one batched forward per depth, over a copy of the draft's cache."""
+        One forward per depth: the depth's nodes, tree-masked, on the draft's own cache (`grow_tree`; dropped by
+        the resync), or, for a draft with sliding-window layers, batch rows over a copy of its cache."""
         width = self.config.tree_width
         table = self.spec.draft.token_bytes
         probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
@@ -798,6 +798,7 @@ class _Run:
         paths, texts, cums = [[]], [b""], [[]]  # per path: draft ids, their text, log-probability after each id
         branches: list[tuple[list[int], bool, list[float]]] = []
         cache = None
+        nodes = [0]  # per path: its node in the draft's tree (grow_tree; 0 is the root, the last drafted-from id)
         for depth in range(k):
             top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
             candidates = sorted(
@@ -828,15 +829,20 @@ class _Run:
                     frontier.append((score, r, t))
             if not frontier:
                 break
-            rows = [r for _, r, _ in frontier]
-            if cache is None:
-                cache = draft.branches(len(rows))
+            if draft.grows_trees:
+                first = draft.tree_size + 1
+                logits = draft.grow_tree([t for _, _, t in frontier], [nodes[r] for _, r, _ in frontier])  # (B, Vd)
+                nodes = list(range(first, first + len(frontier)))
             else:
-                select_rows(cache, rows)
-            tokens = to_device([[t] for _, _, t in frontier], draft.device)  # (B, 1)
-            out = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True)
+                rows = [r for _, r, _ in frontier]
+                if cache is None:
+                    cache = draft.branches(len(rows))
+                else:
+                    select_rows(cache, rows)
+                tokens = to_device([[t] for _, _, t in frontier], draft.device)  # (B, 1)
+                logits = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]  # (B, Vd)
             steps += 1
-            probs = self._tree_probs(out.logits[:, -1])  # (B, Vd)
+            probs = self._tree_probs(logits)  # (B, Vd)
             paths = [paths[r] + [t] for _, r, t in frontier]
             texts = [texts[r] + table[t] for _, r, t in frontier]
             cums = [cums[r] + [score] for score, r, _ in frontier]
