@@ -103,7 +103,7 @@ def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
     """m -> seconds of a forward over m new ids after a CONTEXT-token context (rolled back after each call)."""
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (CONTEXT + 32,)).tolist()
-    # NOTE: compiled, the buffer holds compiled_capacity(576) = 768 positions (576 until the tenth session's
+    # NOTE: static, the buffer holds buffer_capacity(576) = 768 positions (576 until the tenth session's
     # figures: the ninth's and the 7B/1B ones), the size a 512-token prompt with 64 new tokens gets in use
     state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, compile_step(model) if compiled else None)
     state.forward(keep=1)  # the context

@@ -101,8 +101,11 @@ def test_eager_static_logits_equal_dynamic(sp_tokenizer):
 
 
 def test_static_cache_refuses_to_overflow(sp_tokenizer):
-    state = ModelState(tiny_llama(sp_tokenizer, seed=6), list(range(1, 10)), "static", capacity=8)
-    with pytest.raises(RuntimeError, match="exceed the cache's 8 positions"), torch.inference_mode():
+    """A static buffer is rounded up to a size class (256 here, the tiny model's whole context), no further."""
+    model = tiny_llama(sp_tokenizer, seed=6, max_positions=1024)
+    state = ModelState(model, list(range(1, 300)), "static", capacity=8)
+    assert state.capacity == 256
+    with pytest.raises(RuntimeError, match="299 ids exceed the cache's 256 positions"), torch.inference_mode():
         state.forward(keep=1)
 
 
@@ -121,3 +124,34 @@ def test_backend_choice(sp_tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_auto_is_static_on_cuda(sp_tokenizer):
     assert choose_backend(tiny_llama(sp_tokenizer, seed=8).cuda(), "auto") == "static"
+
+
+def test_static_buffers_pass_from_one_generation_to_the_next(tiny_target, bpe_tokenizer):
+    """Eager static caches (CUDA's default) are reused as compiled ones are: the next generation takes the
+    buffer over (nothing allocated, no layer initialised again, which on CUDA cost 26 host syncs per
+    generation) and its output is still the target's own."""
+    from xtokspec import XTokSpec
+
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(cache="static"))
+    model, tokenizer = tiny_target
+    kept = []
+    for prompt in ["東京", "使用する C コンパイラが", "𠮷野家の牛丼"]:
+        result = spec.generate(prompt, max_new_tokens=12)
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            want = model.generate(**inputs, do_sample=False, max_new_tokens=12)[0, inputs["input_ids"].shape[1] :]
+        assert result.token_ids == want.tolist(), prompt
+        kept.append([spec._idle_kv[id(m)] for m in (spec.target_model, spec.draft_model)])
+    assert all(k[0] is kept[0][0] and k[1] is kept[0][1] for k in kept)
+    assert kept[0][0].prefix and kept[0][0].capacity == 256  # eager (prefix attention), the smallest size class
+
+
+def test_a_buffer_is_reused_only_by_a_state_that_runs_it_the_same_way(sp_tokenizer):
+    """A compiled step's buffer attends over the whole buffer, an eager one over its written prefix: neither is
+    handed to the other, nor one too small."""
+    model = tiny_llama(sp_tokenizer, seed=5, max_positions=1024)
+    eager = ModelState(model, [5, 6, 7], "static", 64)
+    assert ModelState(model, [5, 6], "static", 64, reuse=eager.kv).kv is eager.kv
+    assert ModelState(model, [5, 6], "static", 64, step=lambda **kw: model(**kw), reuse=eager.kv).kv is not eager.kv
+    assert ModelState(model, [5, 6], "static", 300, reuse=eager.kv).kv is not eager.kv
+    assert ModelState(model, [5, 6], "dynamic", 64, reuse=eager.kv).backend == "dynamic"

@@ -12,8 +12,9 @@ Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dyn
   `cumulative_length + arange(T)` (transformers 5.x; tests/test_cache.py pins it against the installed version).
   That whole-buffer layer serves compiled steps (fixed shapes); eager forwards use `_PrefixStaticLayer`, the
   same buffer with a Python-int length, which attends over the written prefix only. A compiled model's buffer
-  has one of a few sizes (`compiled_capacity`) and passes from one generation to the next (`reuse`), so its
-  graphs are compiled once per size and keep their buffers' addresses.
+  has one of a few sizes (`buffer_capacity`) and passes from one generation to the next (`reuse`), so its
+  graphs are compiled once per size and keep their buffers' addresses. Eager static buffers are sized and
+  passed on the same way (nothing is allocated or initialised per generation).
 
 Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
@@ -46,8 +47,8 @@ PAD_ID = 0  # fills a bucket; its positions are written to the static cache and 
 MIN_COMPILED_CAPACITY = 256
 
 
-def compiled_capacity(needed: int, limit: int) -> int:
-    """The static buffer size for a compiled model: `needed` positions rounded up to the next of 256, 384, 512,
+def buffer_capacity(needed: int, limit: int) -> int:
+    """A static buffer's size: `needed` positions rounded up to the next of 256, 384, 512,
     768, 1024, 1536, ... (a power of two or 1.5 times one), at most the model's `limit`.
 
     torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
@@ -269,10 +270,11 @@ class ModelState:
 
     def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None,
                  tree_nodes: int = 0, reuse: _StaticKV | None = None):
-        """`reuse`: the cache of an earlier ModelState of this model with a compiled step (`kv`), taken over if
-        it is large enough: its buffers keep their addresses, so captured graphs stay valid and nothing is
-        allocated or recompiled. Its old contents are harmless: the new prefill starts writing at position 0,
-        and until a position is written again the causal mask hides it, as after any rollback."""
+        """`reuse`: the static cache (`kv`) of an earlier ModelState of this model, run the same way (compiled or
+        eager), taken over if it is large enough: its buffers keep their addresses, so captured graphs stay valid
+        and nothing is allocated, initialised or recompiled. Its old contents are harmless: the new prefill
+        starts writing at position 0, and until a position is written again the causal mask hides it, as after
+        any rollback."""
         if step is not None and backend != "static":
             raise ValueError("a compiled step needs the static backend")
         self.model = model
@@ -282,13 +284,14 @@ class ModelState:
         self.backend = backend
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         capacity = min(capacity or limit, limit)
-        if step is not None:
-            capacity = compiled_capacity(capacity, limit)
+        if backend == "static":
+            capacity = buffer_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
         self._tree_parents: list[int] | None = None  # the open tree's parents per node (node 0: -1); None: none
         # A sliding-window layer's cache is a ring buffer: it cannot hold a tree's nodes and then drop them.
         self.grows_trees = not sliding_layers(model)
-        if step is not None and reuse is not None and reuse.capacity >= capacity + tree_nodes:
+        if (backend == "static" and reuse is not None and reuse.prefix == (step is None)
+                and reuse.capacity >= capacity + tree_nodes):
             reuse.reset()
             self.kv = reuse
         elif backend == "static":

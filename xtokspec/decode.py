@@ -268,7 +268,7 @@ class XTokSpec:
         self._full_draft_model = self.draft_model  # trim_draft_vocab replaces draft_model by a view of this
         self.draft_vocab: DraftVocab | None = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
-        self._idle_kv: dict[int, object] = {}  # id(model) -> its compiled steps' static cache, between generations
+        self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
@@ -435,13 +435,14 @@ class XTokSpec:
             if step is None:
                 role = "target" if model is self.target_model else "draft"
                 step = self._steps[id(model)] = compile_step(model, role)
+        if backend == "static":
             # NOTE: taken, not shared: a generation still running (another open stream) keeps its own cache
             reuse = self._idle_kv.pop(id(model), None)
         return ModelState(model, ids, backend, capacity, step, tree_nodes, reuse)
 
     def _release(self, state: ModelState) -> None:
-        """A finished generation's compiled cache, kept for the next one (the larger, if two finish)."""
-        if state.step is not None:
+        """A finished generation's static cache, kept for the next one (the larger, if two finish)."""
+        if state.backend == "static":
             idle = self._idle_kv.get(id(state.model))
             if idle is None or idle.capacity < state.kv.capacity:
                 self._idle_kv[id(state.model)] = state.kv
