@@ -59,8 +59,10 @@ case "${1:-1}" in
   XTOKSPEC_TEST_DEVICE=cuda step 540 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
     --durations=0 tests/test_stats.py -k "${2:-tree_sampling and dynamic or switching_proposal_kinds}"
   ;;
-8)  # captured token trees (tree-masked compiled steps) at the 13B shapes: cost per cycle, nodes per cycle
-  step 540 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
+8)  # captured token trees (tree-masked compiled steps): greedy equality on CUDA, then cost and nodes per cycle at
+    # the 13B shapes
+  step 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled-tree4"
+  step 400 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
     --out "$OUT/loopt-${2:-bridged}"
   ;;
 esac

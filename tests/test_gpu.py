@@ -74,9 +74,12 @@ def test_greedy_cycle_makes_two_host_transfers():
     assert (long - short) <= 2 * (long_cycles - short_cycles), f"{long - short} syncs for {long_cycles - short_cycles} cycles"
 
 
-@pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4)], ids=["compiled", "tree4"])
+@pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4),
+                                     dict(tree_width=4, compile=True, cache="static")],
+                         ids=["compiled", "tree4", "compiled-tree4"])
 def test_greedy_is_lossless_on_cuda_with(options):
-    """CUDA graphs (padded buckets, replayed outputs) and tree-masked verification, against the target's generate."""
+    """CUDA graphs (padded buckets, replayed outputs), tree-masked verification and draft levels, and both (tree
+    steps captured), against the target's generate."""
     target = load("ja-target", "cuda")
     spec = XTokSpec(target, load("ja-draft-bpe", "cuda"), config=SpecConfig(**options))
     for prompt in PROMPTS:

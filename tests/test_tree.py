@@ -336,3 +336,13 @@ def test_the_draft_length_policy_models_a_trees_first_level_apart():
     assert policy.next_k() == 1
     chain = DraftLengthPolicy(SpecConfig(num_draft_tokens=4))
     assert not chain.tree
+
+
+def test_the_residual_removes_rejected_children_and_falls_back_to_p_only_when_nothing_is_left():
+    from xtokspec.tree import residual
+
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    torch.testing.assert_close(residual(p, [0, 2]), torch.tensor([0.0, 0.3, 0.0, 0.0]))
+    assert residual(p, []) is p
+    # rounding can leave the rejected children all the mass: then p itself (there is nothing else to draw)
+    torch.testing.assert_close(residual(torch.tensor([0.6, 0.4, 0.0]), [0, 1]), torch.tensor([0.6, 0.4, 0.0]))

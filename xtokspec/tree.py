@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sampling
+from .cache import to_device
 
 
 @dataclass
@@ -127,7 +128,7 @@ def child_probs(probs: torch.Tensor, trie: Trie) -> list[list[float]]:
     cols = [trie.tokens[c] for p in range(len(trie.tokens)) for c in trie.children[p]]
     if not rows:
         return [[] for _ in trie.children]
-    flat = probs[torch.tensor(rows, device=probs.device), torch.tensor(cols, device=probs.device)].tolist()
+    flat = probs[to_device(rows, probs.device), to_device(cols, probs.device)].tolist()
     out, i = [], 0
     for kids in trie.children:
         out.append(flat[i : i + len(kids)])
@@ -163,11 +164,10 @@ def residual(probs_row: torch.Tensor, excluded: list[int]) -> torch.Tensor:
     if not excluded:
         return probs_row
     out = probs_row.clone()
-    out[torch.tensor(excluded, device=out.device)] = 0.0
-    if not bool((out > 0).any()):
-        # NOTE: only reachable through rounding (the children held all the mass and were all rejected).
-        return probs_row
-    return out
+    out[to_device(excluded, out.device)] = 0.0
+    # NOTE: p itself only through rounding (the children held all the mass and were all rejected); chosen on
+    # the device, so the host does not wait for it
+    return torch.where((out > 0).any(), out, probs_row)
 
 
 def verify_tree_sampled(probs: torch.Tensor, trie: Trie, uniforms: torch.Tensor, noise: torch.Tensor,
