@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -123,9 +124,9 @@ def measure_pair(name: str, target_config, draft_config, device: str, reps: int)
     for role, config in (("target", target_config), ("draft", draft_config)):
         model = build(config, device, dtype)
         out[f"{role}_params"] = sum(p.numel() for p in model.parameters())
-        # compiling costs ~30 s per bucket at the 13B shape: the draft needs only its one-token step compiled,
-        # the target the buckets of typical verifications
-        lengths = COMPILED_LENGTHS if role == "target" else (1,)
+        # compiling costs ~30 s per bucket at the 13B shape: the draft needs its one-token step and a width-4 tree
+        # level (4 rows; since the eleventh session), the target the buckets of typical verifications
+        lengths = COMPILED_LENGTHS if role == "target" else (1, 4)
         out[f"{role}_eager"] = per_call_costs(model, device, reps, compiled=False, backend="dynamic")
         out[f"{role}_static"] = per_call_costs(model, device, reps, compiled=False, backend="static")
         out[f"{role}_compiled"] = per_call_costs(model, device, reps, compiled=True, backend="static", lengths=lengths)
@@ -156,17 +157,29 @@ def verify_cost(costs: dict, m: int) -> float:
     return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 
+def padded(rows: int) -> int:
+    """The length a compiled call over `rows` ids runs at: the next bucket (longer ones run eagerly)."""
+    return next((b for b in COMPILE_BUCKETS if b >= rows), rows)
+
+
+def measured_at_most(costs: dict, n: int) -> float:
+    """The cost measured at n ids, or at the longest measured length below n."""
+    return costs[max(k for k in costs if k <= n)]
+
+
 def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled") -> list[dict]:
     """PREDICTION: speedups of the real pairs' CPU acceptance traces at this pair's GPU costs: "compiled" (CUDA
     graphs, over the compiled target step) or "static" (eager on the static cache, CUDA's default, over the
     eager target step).
 
-    Token-tree runs (proposal "... tree"): tokens per cycle as measured (eq. 1 is for chains), a draft level
-    (one batched forward over the tree's rows) at the cost of a one-row draft step, and verification of the
-    cycle's nodes. Today's tree paths run eagerly even with compile=True (the draft's rows on a DynamicCache,
-    the tree-masked verification outside the captured steps), so in the "compiled" mode they are costed eager
-    (draft: dynamic cache; target: static cache), and a second row, "[captured: hypothetical]", costs them as
-    if they were captured too."""
+    Token-tree runs (proposal "... tree", width from the system's "treeN"): tokens per cycle as measured (eq. 1
+    is for chains); each draft forward at the cost of a draft call over `width` ids (a tree level: the level's
+    nodes on the draft's own cache, `ModelState.grow_tree`), and each verification at the target's cost for
+    its nodes plus one id. Since the eleventh session both run through the compiled steps with compile=True,
+    padded to the buckets, so "compiled" costs them at their buckets' compiled costs. ASSUMED: a tree-masked
+    call costs what a causal call of the same length does (the same shapes, an explicit mask instead of one
+    built inside), and, where a length was not measured compiled (the draft's 4 rows before the eleventh
+    session), it costs what the longest shorter measured one does (memory-bound at these sizes)."""
     if not results.is_file():
         return []
     runs = json.loads(results.read_text())["runs"]
@@ -184,12 +197,11 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
         lengths = stats["proposal_lengths"]
         if str(stats.get("proposal", "")).endswith(" tree"):
             tokens = stats["new_tokens"] / cycles
-            variants = {run["system"]: (pair["draft_eager"][1], pair["target_static"])}
-            if costs == "compiled":
-                variants[run["system"] + " [captured: hypothetical]"] = (draft_step, verify)
-            for system, (level, nodes) in variants.items():
-                cost = steps_per_cycle * level + sum(verify_cost(nodes, m) for m in lengths) / cycles
-                rows.setdefault((system, run["mode"]), []).append(tokens / ((cost + overhead_s) / step))
+            width = int(re.search(r"tree(\d+)", run["system"]).group(1))
+            level = measured_at_most(pair[f"draft_{costs}"], padded(width) if costs == "compiled" else width)
+            nodes = [padded(m + 1) - 1 if costs == "compiled" else m for m in lengths]
+            cost = steps_per_cycle * level + sum(verify_cost(verify, m) for m in nodes) / cycles
+            rows.setdefault((run["system"], run["mode"]), []).append(tokens / ((cost + overhead_s) / step))
             continue
         tokens = sum(expected_tokens(alpha, m) for m in lengths) / cycles
         cost = steps_per_cycle * draft_step + sum(verify_cost(verify, m) for m in lengths) / cycles

@@ -60,3 +60,20 @@ def test_loop_timer_brackets_every_model_call_and_restores(bridged_spec):
     assert result.stats.target_forwards >= 1
     assert 0 < timer.seconds() < wall
     assert {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS} == before
+
+
+def test_tree_prediction_costs_levels_and_verification_at_their_compiled_buckets(gpu, tmp_path):
+    """A width-4 tree: each draft forward costs a 4-id draft call, each verification of m nodes the compiled
+    target at the bucket of m + 1 ids (compiled), or eagerly at m + 1 ids (static); tokens per cycle as measured."""
+    stats = {"target_forwards": 2, "draft_forwards": 4, "token_acceptance": 0.5, "proposal_lengths": [4, 6],
+             "new_tokens": 6, "proposal": "onehot tree"}
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [{"system": "x-tree4", "mode": "T=0.7", "stats": stats}]}))
+    pair = {"target_compiled": {1: 10.0, 2: 10.0, 4: 12.0, 8: 14.0}, "draft_compiled": {1: 1.0, 4: 1.5},
+            "target_static": {1: 20.0, 2: 20.0, 4: 24.0, 8: 28.0}, "draft_static": {1: 5.0, 2: 5.0, 4: 6.0}}
+    (row,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
+    assert row["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (14.0 + 14.0) / 2) / 10.0))  # 5 and 7 ids -> 8
+    (eager,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")
+    assert eager["predicted_speedup"] == pytest.approx(3 / ((2 * 6.0 + (25.0 + 27.0) / 2) / 20.0))
+    del pair["draft_compiled"][4]  # not measured (stored costs before the eleventh session): the 1-id call's
+    (older,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
+    assert older["predicted_speedup"] == pytest.approx(3 / ((2 * 1.0 + 14.0) / 10.0))
