@@ -130,3 +130,15 @@ def test_first_position_acceptance_matches_enumeration():
     none_mapped = torch.tensor([-1, -1, 0])
     assert float(sampling.intersection_acceptance(torch.tensor([0.5, 0.5]), torch.tensor([0.6, 0.4, 0.0]),
                                                   none_mapped)) == 0.0
+
+
+def test_a_proposal_the_draft_could_not_have_drawn_is_an_error_and_p_equal_q_falls_back_to_p():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])  # the proposal, id 0, has q = 0: the token map is inconsistent
+    with pytest.raises(XTokSpecError, match="zero proposal probability"):
+        sampling.count_accepted(p, torch.tensor([0]), torch.tensor([0.5]), q)
+    q = torch.tensor([[0.5, 0.5, 0.0]])  # q == p: accepted surely, unless rounding rejects; then p itself
+    assert sampling.count_accepted(p, torch.tensor([0]), torch.tensor([0.99]), q) == 1
+    torch.testing.assert_close(sampling.next_token_distribution(p, torch.tensor([0]), 0, q), p[0])
+    torch.testing.assert_close(sampling.next_token_distribution(p, torch.tensor([0]), 0, None),
+                               torch.tensor([0.0, 0.5, 0.0]))

@@ -132,11 +132,16 @@ def count_accepted(
     rows = torch.arange(k, device=target_probs.device)
     p_x = target_probs[rows, proposal_ids]  # (K,)
     q_x = torch.ones_like(p_x) if proposal_probs is None else proposal_probs[rows, proposal_ids]
-    # NOTE: a proposed token must have q > 0 (the draft drew it); q = 0 here means the map is wrong.
-    if proposal_probs is not None and bool((q_x <= 0).any()):
-        raise XTokSpecError("a proposed token has zero proposal probability: the token map is inconsistent")
-    rejected = (uniforms * q_x >= p_x).nonzero()
-    return int(rejected[0, 0]) if rejected.numel() else k
+    rejected = uniforms * q_x >= p_x  # (K,)
+    if proposal_probs is None:
+        flags = rejected.tolist()  # the one transfer to the host
+    else:
+        # NOTE: a proposed token must have q > 0 (the draft drew it); q = 0 here means the map is wrong. Checked
+        # in the same transfer as the decisions.
+        flags, impossible = torch.stack([rejected, q_x <= 0]).tolist()
+        if any(impossible):
+            raise XTokSpecError("a proposed token has zero proposal probability: the token map is inconsistent")
+    return next((i for i, r in enumerate(flags) if r), k)
 
 
 def next_token_distribution(
@@ -158,20 +163,7 @@ def next_token_distribution(
         residual[proposal_ids[i]] = 0.0
     else:
         residual = torch.clamp(target_probs[i] - proposal_probs[i], min=0.0)
-    if not bool((residual > 0).any()):
-        # NOTE: only reachable through rounding when p == q; the rejection itself had probability ~0.
-        return target_probs[i]
-    return residual
+    # NOTE: p itself only through rounding when p == q (the rejection itself had probability ~0); chosen on the
+    # device, so the host does not wait for it
+    return torch.where((residual > 0).any(), residual, target_probs[i])
 
-
-def verify_sampled(
-    target_probs: torch.Tensor,
-    proposal_ids: torch.Tensor,
-    uniforms: torch.Tensor,
-    noise: torch.Tensor,
-    proposal_probs: torch.Tensor | None = None,
-) -> tuple[int, int]:
-    """Speculative sampling step -> (num_accepted, next_token). noise is (K+1, Vt) Exp(1); row i is used."""
-    num_accepted = count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
-    dist = next_token_distribution(target_probs, proposal_ids, num_accepted, proposal_probs)
-    return num_accepted, int(race(dist, noise[num_accepted]))
