@@ -138,14 +138,19 @@ def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_
         assert stats.pruned_nodes == 0 and max(stats.proposal_lengths) > 1
 
 
-def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None = None) -> ModelState:
+def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None = None,
+               positions: list[int] | None = None) -> ModelState:
     """A ModelState on `backend`; "static+step": the static cache of a compiled model, with an uncompiled step
-    that records each call's length (padded buckets over the whole buffer, as a captured graph runs)."""
+    that records each call's length and largest position id (padded buckets over the whole buffer, as a
+    captured graph runs)."""
     if backend != "static+step":
         return ModelState(model, prompt, backend, 40, tree_nodes=16)
+    positions = [] if positions is None else positions
 
     def step(**kwargs):
         calls.append(kwargs["input_ids"].shape[1])
+        if kwargs.get("position_ids") is not None:
+            positions.append(int(kwargs["position_ids"].max()))
         return model(**kwargs)
 
     return ModelState(model, prompt, "static", 40, step, tree_nodes=16)
@@ -159,9 +164,9 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend,
     model, _ = ja_target
     prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12], [5, 6, 13]])
-    calls = []
+    calls, positions = [], []
     with torch.inference_mode():
-        state = tree_state(model, prompt, backend, calls)
+        state = tree_state(model, prompt, backend, calls, positions)
         state.forward(keep=1)
         state.ids += [42, 43]  # two uncached ids before the tree
         logits = state.forward_tree(trie.tokens, trie.parents)
@@ -177,6 +182,9 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend,
         got = state.forward(keep=1)[0]
         torch.testing.assert_close(got, model(input_ids=torch.tensor([state.ids])).logits[0, -1], atol=1e-4, rtol=0)
     assert calls == ([16, 1] if backend == "static+step" else [])
+    # the padding's positions stay within the real rows' (22 ids; node depths up to 4): a learned position table
+    # (GPT-2's) has no row past the context's end
+    assert positions == ([21 + 4] if backend == "static+step" else [])
 
 
 @pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
@@ -200,8 +208,10 @@ def test_a_tree_grown_level_by_level_scores_every_path_and_truncates_away(backen
                 want = model(input_ids=torch.tensor([prompt + paths[node]])).logits[0, -1]
                 torch.testing.assert_close(logits[i], want, atol=1e-4, rtol=0)
         assert state.tree_size == 7 and state.cached == len(prompt) + 7
-        with pytest.raises(ValueError, match="parent 9"):
-            state.grow_tree([1], [9])
+        for tokens, parents in [([1], [9]), ([1, 2], [0]), ([], [])]:
+            with pytest.raises(ValueError, match="one parent each"):
+                state.grow_tree(tokens, parents)
+        assert state.tree_size == 7  # nothing changed
         state.truncate(len(prompt))
         assert state.tree_size == 0 and state.cached == len(prompt)
         state.ids.append(99)

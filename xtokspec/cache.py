@@ -407,21 +407,24 @@ class ModelState:
         """One forward over uncached ids `new` (causal) and then nodes `tokens` under `parents` (tree-masked)
         -> logits (1 + len(tokens), V) from the last new id on, or (len(tokens), V) without new ids."""
         start, u, n = self.cached, len(new), len(tokens)
+        rows = u + n
         first = len(self._tree_parents)  # the first new node's number
+        # NOTE: checked before anything changes
         bad = [p for j, p in enumerate(parents) if not 0 <= p < first + j]
-        if bad:  # NOTE: checked before anything changes
-            raise ValueError(f"tree node parent {bad[0]} is not a node fed before its child")
+        if bad or len(parents) != n or not rows:
+            raise ValueError(f"tree nodes need one parent each, fed before them (got {n} nodes, parents {parents})")
+        if start + rows > self.kv.capacity:
+            raise RuntimeError(f"{start + rows} ids and tree nodes exceed the cache's {self.kv.capacity} positions")
         for parent in parents:
             self._tree_parents.append(parent)
             self._tree_depths.append(self._tree_depths[parent] + 1)
         base, total = self._tree_base, len(self._tree_parents) - 1
-        rows = u + n
-        if start + rows > self.kv.capacity:
-            raise RuntimeError(f"{start + rows} ids and tree nodes exceed the cache's {self.kv.capacity} positions")
         bucket = self._tree_bucket(rows)
         width = bucket or rows
+        # NOTE: the padding's positions are the first row's: any valid one will do (its rows are dropped), and
+        # one past the real rows could pass a learned position table's end (GPT-2's) near the context's end
         positions = ([start + i for i in range(u)] + [base - 1 + self._tree_depths[first + j] for j in range(n)]
-                     + [start + r for r in range(rows, width)])  # padding: any position; its writes roll back
+                     + [start] * (width - rows))
         # visible[r, c]: row r attends to cache position c. Rows are: u ids, n nodes, then padding.
         prefix = torch.tensor([start + i + 1 for i in range(u)] + [base] * n + [start] * (width - rows))
         visible = torch.arange(self.kv.mask_length(width))[None, :] < prefix[:, None]  # (width, L)
