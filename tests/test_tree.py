@@ -356,3 +356,60 @@ def test_the_residual_removes_rejected_children_and_falls_back_to_p_only_when_no
     assert residual(p, []) is p
     # rounding can leave the rejected children all the mass: then p itself (there is nothing else to draw)
     torch.testing.assert_close(residual(torch.tensor([0.6, 0.4, 0.0]), [0, 1]), torch.tensor([0.6, 0.4, 0.0]))
+
+
+def test_trees_need_a_target_that_takes_tree_masks_and_a_sliding_target_is_refused(sp_tokenizer, bpe_tokenizer):
+    """Verification applies a 4D tree mask: a target whose attention cannot (flash, flex) or whose layers are a
+    ring buffer (sliding window) is refused by name, before any forward. A draft like that keeps the batch-row
+    beam instead of growing its tree on its own cache."""
+    from model_helpers import tiny_llama, tiny_neox
+
+    draft = (tiny_neox(bpe_tokenizer), bpe_tokenizer)
+    target = tiny_llama(sp_tokenizer, seed=21)
+    target.config._attn_implementation = "flex_attention"
+    spec = XTokSpec((target, sp_tokenizer), draft)
+    with pytest.raises(XTokSpecError, match="attention implementation 'flex_attention'.*attn_implementation='sdpa'"):
+        spec.generate("東京", max_new_tokens=4, tree_width=2)
+    assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is False
+    target.config._attn_implementation = "sdpa"
+    assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is True
+    target.config.sliding_window, target.config.use_sliding_window = 4, True
+    with pytest.raises(XTokSpecError, match="need full-attention layers in the target"):
+        spec.generate("東京", max_new_tokens=4, tree_width=2)
+    assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is False
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_tree_forwards_on_the_mission_pairs_architectures(arch, backend):
+    """llm-jp-13b is a GPT-2 (learned positions) and open-calm-small a GPT-NeoX: the trie's rows and a grown
+    level's rows equal plain forwards there too (tiny random models of those classes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=500, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                           bos_token_id=0, eos_token_id=0))
+    else:
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=500, max_position_embeddings=64, hidden_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
+    model.eval()
+    prompt = list(range(10, 30))
+    trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12]])
+
+    def plain(ids):
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+    with torch.inference_mode():
+        state = tree_state(model, prompt, backend, [])
+        state.forward(keep=1)
+        state.ids.append(42)
+        logits = state.forward_tree(trie.tokens, trie.parents)
+        for node in range(trie.size + 1):
+            torch.testing.assert_close(logits[node], plain(prompt + [42] + trie.path_tokens(trie.ancestors(node))),
+                                       atol=1e-5, rtol=0)
+        state.keep_path(trie.ancestors(trie.tokens.index(11)), trie.tokens)
+        state.grow_tree([3, 4], [0, 0])
+        level = state.grow_tree([7, 8], [2, 1])  # under 4, under 3
+        torch.testing.assert_close(level[0], plain(state.ids + [4, 7]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(level[1], plain(state.ids + [3, 8]), atol=1e-5, rtol=0)

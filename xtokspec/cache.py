@@ -23,7 +23,8 @@ the positions right after the uncached ids, in place, and rolls the rest back. T
 level by level on its own cache the same way (`grow_tree`; `truncate` drops the nodes). Both run through the
 compiled step when there is one (padded buckets with a mask over the whole buffer: one more graph per bucket).
 `branches` copies the cache into a batch of rows instead, for a draft with sliding-window layers (a ring buffer
-cannot hold a tree's nodes and then drop them; always a DynamicCache: it lives for one cycle).
+cannot hold a tree's nodes and then drop them) or an attention that takes no 4D mask (always a DynamicCache: it
+lives for one cycle).
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def sliding_layers(model) -> list[str]:
     if not types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         types = ["sliding_attention"]
     return sorted({t for t in types if t != "full_attention"})
+
+
+# Attention implementations that apply a 4D additive mask as given (a tree's ancestor mask). flash-attention
+# takes padding masks only; flex attention crashed the process on this project's CPU given one.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def takes_tree_masks(model) -> bool:
+    """Whether `model`'s attention applies an arbitrary 4D mask (token trees' tree-masked forwards)."""
+    return getattr(model.config, "_attn_implementation", None) in TREE_MASK_ATTENTION
 
 
 def choose_backend(model, requested: str, compiled: bool = False) -> str:
@@ -288,8 +299,9 @@ class ModelState:
             capacity = buffer_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
         self._tree_parents: list[int] | None = None  # the open tree's parents per node (node 0: -1); None: none
-        # A sliding-window layer's cache is a ring buffer: it cannot hold a tree's nodes and then drop them.
-        self.grows_trees = not sliding_layers(model)
+        # A sliding-window layer's cache is a ring buffer: it cannot hold a tree's nodes and then drop them; and
+        # the nodes need an attention that applies their mask.
+        self.grows_trees = not sliding_layers(model) and takes_tree_masks(model)
         if (backend == "static" and reuse is not None and reuse.prefix == (step is None)
                 and reuse.capacity >= capacity + tree_nodes):
             reuse.reset()

@@ -35,6 +35,7 @@ from .cache import (
     input_device,
     select_rows,
     sliding_layers,
+    takes_tree_masks,
     to_device,
 )
 from .models import DraftVocab, choose_draft_vocab, frozen_head_note, load, trimmed_draft
@@ -486,6 +487,12 @@ class XTokSpec:
             raise XTokSpecError(
                 f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
                 f"{type(self.target_model).__name__} has {sliding_layers(self.target_model)} layers: use tree_width=1"
+            )
+        if config.tree_width > 1 and not takes_tree_masks(self.target_model):
+            raise XTokSpecError(
+                f"token trees (tree_width={config.tree_width}) verify with a tree attention mask, which the target's "
+                f"attention implementation {self.target_model.config._attn_implementation!r} does not apply: load it "
+                f"with attn_implementation='sdpa' (or 'eager'), or use tree_width=1"
             )
         kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
         stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
