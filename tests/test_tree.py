@@ -413,3 +413,20 @@ def test_tree_forwards_on_the_mission_pairs_architectures(arch, backend):
         level = state.grow_tree([7, 8], [2, 1])  # under 4, under 3
         torch.testing.assert_close(level[0], plain(state.ids + [4, 7]), atol=1e-5, rtol=0)
         torch.testing.assert_close(level[1], plain(state.ids + [3, 8]), atol=1e-5, rtol=0)
+
+
+def test_a_compiled_tree_fills_its_bucket_for_free(ja_target):
+    """Through a compiled step a trie forward is padded to its bucket, and padding rows cost what nodes do: the
+    pruned trie may grow to the bucket's end (1 uncached id + 7 nodes = 8). Eagerly it may not."""
+    model, _ = ja_target
+    prompt = list(range(100, 120))
+    with torch.inference_mode():
+        compiled = tree_state(model, prompt, "static+step", [])
+        eager = tree_state(model, prompt, "static")
+        for state in (compiled, eager):
+            state.forward(keep=1)
+            state.ids.append(42)
+    assert [compiled.tree_room(n) for n in (0, 1, 2, 3, 5, 7, 8, 15, 31)] == [0, 1, 3, 3, 7, 7, 15, 15, 31]
+    assert [eager.tree_room(n) for n in (1, 5, 8)] == [1, 5, 8]
+    compiled.ids.append(43)  # two uncached ids: 2 + 5 rows -> bucket 8, room for 6 nodes
+    assert compiled.tree_room(5) == 6

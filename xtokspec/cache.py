@@ -465,12 +465,21 @@ class ModelState:
         self.kv.advance(rows)
         return out.logits[0]  # (keep, V)
 
-    def _tree_bucket(self, rows: int) -> int | None:
-        """The padded length of a compiled tree forward over `rows` ids and nodes, or None to run eagerly."""
-        if self.step is None or self.cached == 0:
+    def tree_room(self, nodes: int) -> int:
+        """How many nodes the next `forward_tree` can carry for the price of `nodes`: through a compiled step, the
+        rest of its bucket (padding rows cost what nodes do); eagerly, `nodes`."""
+        uncached = max(1, len(self.ids) - self.cached)  # forward_tree feeds at least the last id
+        bucket = self._tree_bucket(uncached + nodes, self.cached if self.cached < len(self.ids) else len(self.ids) - 1)
+        return bucket - uncached if bucket else nodes
+
+    def _tree_bucket(self, rows: int, start: int | None = None) -> int | None:
+        """The padded length of a compiled tree forward over `rows` ids and nodes from cache position `start`
+        (default: the cached length), or None to run eagerly."""
+        start = self.cached if start is None else start
+        if self.step is None or start == 0:
             return None
         bucket = next((b for b in COMPILE_BUCKETS if b >= rows), None)
-        return bucket if bucket is not None and self.cached + bucket <= self.kv.capacity else None
+        return bucket if bucket is not None and start + bucket <= self.kv.capacity else None
 
     def keep_path(self, path: list[int], tokens: list[int]) -> None:
         """After `forward_tree`: keep the nodes on `path` (increasing node numbers) as ids and cache entries,

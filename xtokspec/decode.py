@@ -764,7 +764,8 @@ class _Run:
             ids = self._bridge_branch(path, eos)
             trie.insert(ids, max_depth, self.max_tree_nodes, self._node_values(path, scores, ids))
         full = trie.size
-        trie = trie.pruned(self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0))
+        keep = self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0)
+        trie = trie.pruned(target.tree_room(keep))  # compiled: the bucket's padding rows, as nodes, cost nothing
         t2 = time.perf_counter()
         prefill = len(target.ids) - target.cached > 1
         logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
