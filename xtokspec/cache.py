@@ -45,7 +45,7 @@ CACHE_BACKENDS = ("dynamic", "static")
 # Longer inputs (prompt prefills) run eagerly.
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)
 PAD_ID = 0  # fills a bucket; its positions are written to the static cache and rolled back at once
-MIN_COMPILED_CAPACITY = 256
+MIN_BUFFER_CAPACITY = 256
 
 
 def buffer_capacity(needed: int, limit: int) -> int:
@@ -58,7 +58,7 @@ def buffer_capacity(needed: int, limit: int) -> int:
     compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows. Compiled steps attend
     over the whole buffer, so the classes are kept within 1.5x of each other (at most a third of a buffer is
     past the longest generation that needed it), at about twice as many classes as powers of two alone."""
-    size = MIN_COMPILED_CAPACITY
+    size = MIN_BUFFER_CAPACITY
     while size < needed:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return max(min(size, limit), needed)
@@ -379,8 +379,9 @@ class ModelState:
         self._tree_parents = None  # an open tree's nodes are past every id: gone
 
     # ------------------------------------------------------------ token trees
-    # A tree's node n >= 1 sits at cache position base + n - 1, one position past its parent (node 0, the root,
-    # is the last id before it); it attends to the ids before the root, the root, its ancestors and itself.
+    # A tree's node n >= 1 is written at cache position base + n - 1, and its position id is its parent's plus
+    # one (node 0, the root, is the last id before base); it attends to the ids up to the root, its ancestors and
+    # itself.
     # The target feeds a whole trie at once (`forward_tree`, then `keep_path`); the draft grows one level of its
     # beam per call (`grow_tree`) and drops the nodes with `truncate`.
     @property
