@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_run.sh 5   # what the first GPU session left: the sync and tree tests, the syncs, 7B/1B
 #   bash benchmarks/gpu_run.sh 6 same|bridged   # the loop's overhead with CUDA graphs, one draft per call
 #   bash benchmarks/gpu_run.sh 7 ["-k expression"]   # chi-square cases on CUDA (about two per call)
-#   bash benchmarks/gpu_run.sh 8 same|bridged   # captured width-4 trees at the 13B shapes, one draft per call
+#   bash benchmarks/gpu_run.sh 8 test|bridged|same   # captured trees: the CUDA test, or the 13B-shape loop per draft
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -59,11 +59,15 @@ case "${1:-1}" in
   XTOKSPEC_TEST_DEVICE=cuda step 540 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
     --durations=0 tests/test_stats.py -k "${2:-tree_sampling and dynamic or switching_proposal_kinds}"
   ;;
-8)  # captured token trees (tree-masked compiled steps): greedy equality on CUDA, then cost and nodes per cycle at
-    # the 13B shapes
-  step 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled-tree4"
-  step 400 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
-    --out "$OUT/loopt-${2:-bridged}"
+8)  # captured token trees (tree-masked compiled steps): "8 test" greedy equality on CUDA (the compiled chain's test
+    # spent ~3 minutes compiling; trees add a graph per bucket), "8 bridged" / "8 same" the cost, the nodes and
+    # the loop's overhead per cycle at the 13B shapes (part 6's compiled chain took 220-310 s; trees compile more)
+  if [ "${2:-bridged}" = test ]; then
+    step 560 tests python3 -m pytest -q -p no:cacheprovider -rP tests/test_gpu.py -k "compiled-tree4"
+  else
+    step 560 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
+      --out "$OUT/loopt-${2:-bridged}"
+  fi
   ;;
 esac
 # one archive: the device returns at most 8 files
