@@ -155,3 +155,26 @@ def test_a_buffer_is_reused_only_by_a_state_that_runs_it_the_same_way(sp_tokeniz
     assert ModelState(model, [5, 6], "static", 64, step=lambda **kw: model(**kw), reuse=eager.kv).kv is not eager.kv
     assert ModelState(model, [5, 6], "static", 300, reuse=eager.kv).kv is not eager.kv
     assert ModelState(model, [5, 6], "dynamic", 64, reuse=eager.kv).backend == "dynamic"
+
+
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_streams_open_at_once_never_share_a_static_buffer(tree_width, tiny_target, bpe_tokenizer):
+    """A static buffer passes to the next generation only once its own has finished: two streams advanced in
+    turn each keep their own (a shared one would interleave their caches and change both outputs)."""
+    from xtokspec import XTokSpec
+
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer),
+                    config=SpecConfig(cache="static", tree_width=tree_width))
+    prompts = ["使用する C コンパイラが", "𠮷野家の牛丼"]
+    alone = [spec.generate(p, max_new_tokens=16).text for p in prompts]
+    streams = [spec.stream(p, max_new_tokens=16) for p in prompts]
+    texts = ["", ""]
+    done = [False, False]
+    while not all(done):
+        for i, stream in enumerate(streams):
+            if not done[i]:
+                piece = next(stream, None)
+                done[i] = piece is None
+                texts[i] += piece or ""
+    assert texts == alone
+    assert len(spec._idle_kv) == 2  # one buffer per model, kept for the next generation
