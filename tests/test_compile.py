@@ -156,16 +156,40 @@ def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_com
     """Token trees are captured too: the target verifies each trie, and the draft grows each level of its beam,
     in padded tree-masked calls through the compiled steps (an eager draft level costs 10x a captured step on an
     H100). The output is still the target's own."""
-    spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same,
-                    config=SpecConfig(compile=True, tree_width=4))
-    for prompt in heldout_prompts[:4] + PROMPTS:
-        result = spec.generate(prompt, max_new_tokens=24)
-        assert result.token_ids == target_ids(ja_target, prompt, 24), prompt
+    from xtokspec.cache import CompiledStep, ModelState
+
+    calls = {"forward_tree": 0, "grow_tree": 0, "target tree step": 0, "draft tree step": 0}
+
+    def counting(name, original):
+        def run(self, *args, **kwargs):
+            if name.endswith("step"):
+                if kwargs.get("attention_mask") is None:
+                    return original(self, *args, **kwargs)
+                name_ = f"{self.role} tree step"
+            else:
+                name_ = name
+            calls[name_] += 1
+            return original(self, *args, **kwargs)
+        return run
+
+    patch = pytest.MonkeyPatch()
+    for name in ("forward_tree", "grow_tree"):
+        patch.setattr(ModelState, name, counting(name, getattr(ModelState, name)))
+    patch.setattr(CompiledStep, "__call__", counting("step", CompiledStep.__call__))
+    prompts = heldout_prompts[:4] + PROMPTS
+    try:
+        spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same,
+                        config=SpecConfig(compile=True, tree_width=4))
+        for prompt in prompts:
+            result = spec.generate(prompt, max_new_tokens=24)
+            assert result.token_ids == target_ids(ja_target, prompt, 24), prompt
+    finally:
+        patch.undo()
     assert result.stats.proposal.endswith(" tree") and result.stats.cache == "static/static+compile"
-    for model in (spec.target_model, spec.draft_model):
-        trees = sorted(length for length, _, tree in spec._steps[id(model)].shapes if tree)
-        assert trees and max(trees) <= max(COMPILE_BUCKETS), trees
     assert max(result.stats.proposal_lengths) > 1  # tries of several nodes
+    # every verification but each generation's first (the prompt's prefill, eager) and every draft level captured
+    assert calls["target tree step"] == calls["forward_tree"] - len(prompts), calls
+    assert calls["draft tree step"] == calls["grow_tree"] > 0, calls
 
 
 def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokenizer):
