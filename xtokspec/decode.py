@@ -799,7 +799,8 @@ class _Run:
         greedy chain goes on first, then the best candidates whose text differs from the others', up to
         tree_width paths. A path that no candidate continues is a branch.
         One forward per depth: the depth's nodes, tree-masked, on the draft's own cache (`grow_tree`; dropped by
-        the resync), or, for a draft with sliding-window layers, batch rows over a copy of its cache."""
+        the resync), or, for a draft with sliding-window layers or an attention that takes no 4D mask, batch rows
+        over a copy of its cache."""
         width = self.config.tree_width
         table = self.spec.draft.token_bytes
         probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
