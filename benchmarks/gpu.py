@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from xtokspec.cache import COMPILE_BUCKETS, ModelState, compile_step  # noqa: E402
+from xtokspec.cache import COMPILE_BUCKETS, ModelState, compile_step, padded_length  # noqa: E402
 from xtokspec.types import expected_tokens  # noqa: E402
 
 CONTEXT = 512
@@ -159,7 +159,7 @@ def verify_cost(costs: dict, m: int) -> float:
 
 def padded(rows: int) -> int:
     """The length a compiled call over `rows` ids runs at: the next bucket (longer ones run eagerly)."""
-    return next((b for b in COMPILE_BUCKETS if b >= rows), rows)
+    return padded_length(rows) or rows
 
 
 def measured_at_most(costs: dict, n: int) -> float:

@@ -49,6 +49,11 @@ PAD_ID = 0  # fills a bucket; its positions are written to the static cache and 
 MIN_BUFFER_CAPACITY = 256
 
 
+def padded_length(length: int) -> int | None:
+    """The bucket a compiled forward over `length` ids is padded to, or None past the largest (run eagerly)."""
+    return next((b for b in COMPILE_BUCKETS if b >= length), None)
+
+
 def buffer_capacity(needed: int, limit: int) -> int:
     """A static buffer's size: `needed` positions rounded up to the next of 256, 384, 512,
     768, 1024, 1536, ... (a power of two or 1.5 times one), at most the model's `limit`.
@@ -340,16 +345,19 @@ class ModelState:
         self.kv.advance(len(new))
         return out.logits[0]  # (keep, V)
 
-    def _bucket(self, length: int) -> int | None:
-        """The padded length a compiled call uses for `length` new ids, or None to run eagerly."""
-        if self.step is None or self.cached == 0:
+    def _bucket(self, length: int, start: int | None = None, end: int | None = None) -> int | None:
+        """The padded length a compiled call uses for `length` new ids written from cache position `start`
+        (default: the cached length) within the first `end` positions (default: `capacity`; tree forwards may
+        use the room kept for nodes), or None to run eagerly."""
+        start = self.cached if start is None else start
+        if self.step is None or start == 0:
             # NOTE: the cache's first forward runs eagerly: StaticLayer marks its buffers as static addresses
             # only when initialised outside a compiled region; initialised inside one, every compiled call
             # "mutates inputs" and torch.compile silently gives up CUDA graphs for it. (An empty cache is also
             # one rolled back to nothing; running that forward eagerly too costs nothing in correctness.)
             return None
-        bucket = next((b for b in COMPILE_BUCKETS if b >= length), None)
-        return bucket if bucket is not None and self.cached + bucket <= self.capacity else None
+        bucket = padded_length(length)
+        return bucket if bucket is not None and start + bucket <= (self.capacity if end is None else end) else None
 
     def _run_step(self, padded: torch.Tensor, length: int) -> torch.Tensor:
         """Compiled forward over (1, bucket) ids of which the first `length` are real -> (length, V) logits."""
@@ -399,7 +407,7 @@ class ModelState:
         if self.cached >= len(self.ids):
             self.kv.rollback(len(self.ids) - 1)
         new = self.ids[self.cached :]
-        self._tree_base, self._tree_parents, self._tree_depths = self.cached + len(new), [-1], [0]
+        self._open_tree(self.cached + len(new))
         return self._tree_forward(new, tokens[1:], parents[1:])
 
     def grow_tree(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -412,10 +420,14 @@ class ModelState:
         if not self._tree_parents:
             if self.cached != len(self.ids):
                 raise RuntimeError(f"a tree grows from cached ids only ({self.cached} of {len(self.ids)} cached)")
-            self._tree_base, self._tree_parents, self._tree_depths = self.cached, [-1], [0]
+            self._open_tree(self.cached)
         if self.cached != self._tree_base + self.tree_size:
             raise RuntimeError("the tree's nodes are no longer in the cache")
         return self._tree_forward([], tokens, parents)
+
+    def _open_tree(self, base: int) -> None:
+        """A new tree whose node 1 goes at cache position `base` (its root is the id before it)."""
+        self._tree_base, self._tree_parents, self._tree_depths = base, [-1], [0]
 
     def _tree_forward(self, new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
         """One forward over uncached ids `new` (causal) and then nodes `tokens` under `parents` (tree-masked)
@@ -433,7 +445,7 @@ class ModelState:
             self._tree_parents.append(parent)
             self._tree_depths.append(self._tree_depths[parent] + 1)
         base = self._tree_base
-        bucket = self._tree_bucket(rows)
+        bucket = self._bucket(rows, end=self.kv.capacity)  # NOTE: nodes may use the room kept for them
         width = bucket or rows
         # NOTE: the padding's positions are the first row's: any valid one will do (its rows are dropped), and
         # one past the real rows could pass a learned position table's end (GPT-2's) near the context's end
@@ -454,7 +466,7 @@ class ModelState:
         dtype = self.model.get_input_embeddings().weight.dtype
         mask = torch.from_numpy(np.where(visible, np.float32(0), np.float32(torch.finfo(dtype).min))).to(dtype)
         ids = to_device([new + tokens + [PAD_ID] * (width - rows)], self.device)  # (1, width)
-        kwargs = dict(attention_mask=to_device(mask[None, None], self.device, dtype),
+        kwargs = dict(attention_mask=to_device(mask[None, None], self.device),
                       position_ids=to_device([positions], self.device))
         keep = n + (u > 0)
         if bucket:
@@ -467,21 +479,18 @@ class ModelState:
         self.kv.advance(rows)
         return out.logits[0]  # (keep, V)
 
+    def max_tree_nodes(self, requested: int) -> int:
+        """Most nodes one `forward_tree` should carry: `requested`, and through a compiled step no more than the
+        largest bucket holds besides the id before them (larger tries would run eagerly)."""
+        return requested if self.step is None else min(requested, COMPILE_BUCKETS[-1] - 1)
+
     def tree_room(self, nodes: int) -> int:
         """How many nodes the next `forward_tree` can carry for the price of `nodes`: through a compiled step, the
         rest of its bucket (padding rows cost what nodes do); eagerly, `nodes`."""
-        uncached = max(1, len(self.ids) - self.cached)  # forward_tree feeds at least the last id
-        bucket = self._tree_bucket(uncached + nodes, self.cached if self.cached < len(self.ids) else len(self.ids) - 1)
+        start = min(self.cached, len(self.ids) - 1)  # forward_tree feeds at least the last id
+        uncached = len(self.ids) - start
+        bucket = self._bucket(uncached + nodes, start, self.kv.capacity)
         return bucket - uncached if bucket else nodes
-
-    def _tree_bucket(self, rows: int, start: int | None = None) -> int | None:
-        """The padded length of a compiled tree forward over `rows` ids and nodes from cache position `start`
-        (default: the cached length), or None to run eagerly."""
-        start = self.cached if start is None else start
-        if self.step is None or start == 0:
-            return None
-        bucket = next((b for b in COMPILE_BUCKETS if b >= rows), None)
-        return bucket if bucket is not None and start + bucket <= self.kv.capacity else None
 
     def keep_path(self, path: list[int], tokens: list[int]) -> None:
         """After `forward_tree`: keep the nodes on `path` (increasing node numbers) as ids and cache entries,

@@ -28,7 +28,6 @@ import torch
 from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
 from .cache import (
-    COMPILE_BUCKETS,
     ModelState,
     choose_backend,
     compile_step,
@@ -562,9 +561,7 @@ class _Run:
         draft = spec._model_state(spec.draft_model, draft_ids, self.config,
                                   len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16,
                                   self.config.tree_width * self.config.max_draft_tokens if trees else 0)
-        # A compiled target verifies a trie in one captured call: at most the largest bucket, with the id before it.
-        self.max_tree_nodes = (min(self.config.max_tree_nodes, COMPILE_BUCKETS[-1] - 1) if target.step is not None
-                               else self.config.max_tree_nodes)
+        self.max_tree_nodes = target.max_tree_nodes(self.config.max_tree_nodes)  # compiled: one captured call
         self.target_limit = min(self.target_limit, target.capacity)
         self.draft_limit = min(self.draft_limit, draft.capacity)
         self.stats.cache = f"{target.backend}/{draft.backend}" + ("+compile" if self.config.compile else "")
