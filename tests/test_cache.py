@@ -130,17 +130,15 @@ def test_static_buffers_pass_from_one_generation_to_the_next(tiny_target, bpe_to
     """Eager static caches (CUDA's default) are reused as compiled ones are: the next generation takes the
     buffer over (nothing allocated, no layer initialised again, which on CUDA cost 26 host syncs per
     generation) and its output is still the target's own."""
+    from test_greedy import target_generate
+
     from xtokspec import XTokSpec
 
     spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(cache="static"))
-    model, tokenizer = tiny_target
     kept = []
     for prompt in ["東京", "使用する C コンパイラが", "𠮷野家の牛丼"]:
         result = spec.generate(prompt, max_new_tokens=12)
-        inputs = tokenizer(prompt, return_tensors="pt")
-        with torch.inference_mode():
-            want = model.generate(**inputs, do_sample=False, max_new_tokens=12)[0, inputs["input_ids"].shape[1] :]
-        assert result.token_ids == want.tolist(), prompt
+        assert result.token_ids == target_generate(*tiny_target, prompt, 12), prompt
         kept.append([spec._idle_kv[id(m)] for m in (spec.target_model, spec.draft_model)])
     assert all(k[0] is kept[0][0] and k[1] is kept[0][1] for k in kept)
     assert kept[0][0].prefix and kept[0][0].capacity == 256  # eager (prefix attention), the smallest size class

@@ -138,6 +138,23 @@ def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_
         assert stats.pruned_nodes == 0 and max(stats.proposal_lengths) > 1
 
 
+ARCHS = ["llama", "gpt2", "gpt_neox"]  # the fixture target; llm-jp-13b's class (learned positions); open-calm's
+
+
+def tree_model(arch: str, ja_target):
+    """The fixture target, or a tiny random model of the mission pair's classes (same vocabulary size)."""
+    if arch == "llama":
+        return ja_target[0]
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=8000, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                          bos_token_id=0, eos_token_id=0)).eval()
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=8000, max_position_embeddings=64, hidden_size=32,
+                                            num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)).eval()
+
+
 def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None = None,
                positions: list[int] | None = None) -> ModelState:
     """A ModelState on `backend`; "static+step": the static cache of a compiled model, with an uncompiled step
@@ -157,11 +174,12 @@ def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None =
 
 
 @pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
-def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend, ja_target):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(arch, backend, ja_target):
     """Row n of the tree forward equals a plain forward over the path to node n; after keep_path the cache
     holds exactly the committed ids (the next forward equals a plain forward over them). With a compiled step
     the forward is padded to a bucket (2 ids + 12 nodes -> 16) and its padding rolled back."""
-    model, _ = ja_target
+    model = tree_model(arch, ja_target)
     prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12], [5, 6, 13]])
     calls, positions = [], []
@@ -188,10 +206,11 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(backend,
 
 
 @pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
-def test_a_tree_grown_level_by_level_scores_every_path_and_truncates_away(backend, ja_target):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_grown_level_by_level_scores_every_path_and_truncates_away(arch, backend, ja_target):
     """grow_tree (the draft's beam, one forward per level on its own cache): row i of each level equals a plain
     forward over the path to that node; truncate drops every node (the next forward equals a plain one)."""
-    model, _ = ja_target
+    model = tree_model(arch, ja_target)
     prompt = torch.randint(10, 7000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     levels = [([5, 9], [0, 0]), ([6, 8, 10], [1, 1, 2]), ([7, 7], [3, 4])]  # nodes 1-2, 3-5, 6-7
     paths = {0: []}
@@ -377,42 +396,6 @@ def test_trees_need_a_target_that_takes_tree_masks_and_a_sliding_target_is_refus
     with pytest.raises(XTokSpecError, match="need full-attention layers in the target"):
         spec.generate("東京", max_new_tokens=4, tree_width=2)
     assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is False
-
-
-@pytest.mark.parametrize("backend", ["dynamic", "static", "static+step"])
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
-def test_tree_forwards_on_the_mission_pairs_architectures(arch, backend):
-    """llm-jp-13b is a GPT-2 (learned positions) and open-calm-small a GPT-NeoX: the trie's rows and a grown
-    level's rows equal plain forwards there too (tiny random models of those classes)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=500, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                           bos_token_id=0, eos_token_id=0))
-    else:
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=500, max_position_embeddings=64, hidden_size=32,
-                                                 num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
-    model.eval()
-    prompt = list(range(10, 30))
-    trie = make_trie([[5, 6, 7], [5, 8], [9, 10, 11, 12]])
-
-    def plain(ids):
-        return model(input_ids=torch.tensor([ids])).logits[0, -1]
-
-    with torch.inference_mode():
-        state = tree_state(model, prompt, backend, [])
-        state.forward(keep=1)
-        state.ids.append(42)
-        logits = state.forward_tree(trie.tokens, trie.parents)
-        for node in range(trie.size + 1):
-            torch.testing.assert_close(logits[node], plain(prompt + [42] + trie.path_tokens(trie.ancestors(node))),
-                                       atol=1e-5, rtol=0)
-        state.keep_path(trie.ancestors(trie.tokens.index(11)), trie.tokens)
-        state.grow_tree([3, 4], [0, 0])
-        level = state.grow_tree([7, 8], [2, 1])  # under 4, under 3
-        torch.testing.assert_close(level[0], plain(state.ids + [4, 7]), atol=1e-5, rtol=0)
-        torch.testing.assert_close(level[1], plain(state.ids + [3, 8]), atol=1e-5, rtol=0)
 
 
 def test_a_compiled_tree_fills_its_bucket_for_free(ja_target):
