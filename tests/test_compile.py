@@ -190,6 +190,8 @@ def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_com
     # every verification but each generation's first (the prompt's prefill, eager) and every draft level captured
     assert calls["target tree step"] == calls["forward_tree"] - len(prompts), calls
     assert calls["draft tree step"] == calls["grow_tree"] > 0, calls
+    # the budget costs each bucket's size apart (1 uncached id + nodes = 1, 2, 4, 8, 16, 32), several by now
+    assert 2 <= len(spec._tree_size_times) and set(spec._tree_size_times) <= {0, 1, 3, 7, 15, 31}, spec._tree_size_times
 
 
 def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokenizer):

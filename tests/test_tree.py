@@ -104,6 +104,48 @@ def test_the_tree_budget_maximises_expected_tokens_per_second():
         assert unpruned.tree_nodes(values, 0.004) == len(values)
 
 
+def test_a_captured_tree_is_costed_per_bucket():
+    """Through a compiled target a trie is verified padded to a bucket: the budget compares the sizes the buckets
+    carry (room), each at the fastest of its recent times; sizes seen fewer than twice are tried first (largest
+    first), and a first call that compiled does not make its size look slow for good."""
+    from xtokspec.cache import padded_length
+    from xtokspec.decode import DraftLengthPolicy
+
+    room = lambda n: padded_length(1 + n) - 1  # noqa: E731  (one uncached id before the nodes, as every cycle)
+    cost = {1: 0.0110, 3: 0.0112, 7: 0.0120, 15: 0.0135, 31: 0.0170}  # the H100's shape: a step per bucket
+    values = [0.9, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1] + [0.02] * 24  # 31 drafted nodes, the later ones worth little
+    times = {}
+    policy = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=times)
+    for _ in range(3):  # nothing measured yet (the first cycles verify every node)
+        assert policy.tree_nodes(values, 0.004, room) == len(values)
+        policy.update(4, 4, 1, 0.004, 2.0 if not times else cost[31], nodes=31, rejected=True, size=31)
+    explored = []
+    for _ in range(12):
+        size = policy.tree_nodes(values, 0.004, room)
+        assert size == room(size)  # a whole bucket's worth of nodes, never a part of one
+        explored.append(size)
+        policy.update(4, 4, 1, 0.004, cost[size], nodes=size, rejected=True, size=size)
+    assert explored[:8] == [15, 15, 7, 7, 3, 3, 1, 1]  # each smaller size twice, the largest first
+
+    def best(r):
+        rates = {n: (1 + r * sum(values[:n])) / (0.004 + c) for n, c in cost.items()}
+        return max(rates, key=rates.get)
+
+    r = policy.realised / policy.predicted
+    assert explored[8:] == [best(r)] * 4 and best(r) == 7  # the tokens the last 24 nodes add are not worth 5 ms
+    # a verification as cheap at 32 rows as at 2: every node is worth taking, though the largest size's first
+    # call took 2 s (compiling)
+    cheap = {n: [0.0110, 0.0110] for n in cost} | {31: [2.0, 0.0110]}
+    fresh = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=cheap)
+    fresh.cycles = 3
+    assert fresh.tree_nodes(values, 0.004, room) == 31
+    assert fresh.tree_nodes(values[:5], 0.004, room) == 5  # the bucket holds 7; the trie has 5
+    # a second generation of the same XTokSpec starts from the sizes already measured
+    again = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=times)
+    again.cycles, again.predicted, again.realised = 3, policy.predicted, policy.realised
+    assert again.tree_nodes(values, 0.004, room) == 7
+
+
 def test_the_verification_cost_line_ignores_the_prompt_and_noise_from_equal_counts():
     """The first cycle's verification also carries the prompt: it is left out of the cost line. Counts that
     barely vary give no slope (a steep line from them would be noise), and the slope never exceeds the line

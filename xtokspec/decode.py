@@ -16,7 +16,9 @@ character.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import itertools
 import math
 import time
 import warnings
@@ -95,7 +97,9 @@ class DraftLengthPolicy:
     forgetting.
     """
 
-    def __init__(self, config: SpecConfig, decay: float = 0.9):
+    SIZE_SAMPLES = 8  # recent verification times kept per captured trie size
+
+    def __init__(self, config: SpecConfig, decay: float = 0.9, size_times: dict | None = None):
         self.config = config
         self.decay = decay
         self.k = config.num_draft_tokens
@@ -108,13 +112,17 @@ class DraftLengthPolicy:
         self.nodes_per_draft = 1.0  # tokens verified per draft step
         self.cycles = 0
         self.predicted, self.realised = 1.0, 1.0  # a tree's node values vs accepted nodes (decayed sums)
+        # captured tree verification: nodes a bucket carries -> its recent verification seconds (shared between
+        # the generations of one XTokSpec: the costs are the models' and the device's, not the prompt's)
+        self.size_times = {} if size_times is None else size_times
 
     def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float | None,
-               nodes: int | None = None, rejected: bool | None = None) -> None:
+               nodes: int | None = None, rejected: bool | None = None, size: int | None = None) -> None:
         """One cycle: `drafted` draft steps, `proposed` proposals in a row (a tree's depth), `accepted` of them;
-        for a tree also its `nodes` and whether the walk stopped at a rejection (a chain: accepted < proposed).
-        verify_s None: the verification also carried the prompt (the first cycle), so its time says nothing
-        about the cost of verifying proposals."""
+        for a tree also its `nodes` and whether the walk stopped at a rejection (a chain: accepted < proposed),
+        and for a captured tree the `size` it was verified at (the nodes its bucket carries). verify_s None: the
+        verification also carried the prompt (the first cycle), so its time says nothing about the cost of
+        verifying proposals."""
         d = self.decay
         nodes = proposed if nodes is None else nodes
         rejected = accepted < proposed if rejected is None else rejected
@@ -132,6 +140,9 @@ class DraftLengthPolicy:
             self.draft_step = step if self.draft_step is None else d * self.draft_step + (1 - d) * step
             self.proposals_per_draft = d * self.proposals_per_draft + (1 - d) * proposed / drafted
             self.nodes_per_draft = d * self.nodes_per_draft + (1 - d) * nodes / drafted
+        if verify_s is not None and size is not None:
+            times = self.size_times.setdefault(size, collections.deque(maxlen=self.SIZE_SAMPLES))
+            times.append(verify_s)
         if verify_s is not None:
             m = float(nodes)
             for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
@@ -156,15 +167,24 @@ class DraftLengthPolicy:
         self.predicted = self.decay * self.predicted + predicted
         self.realised = self.decay * self.realised + accepted
 
-    def tree_nodes(self, values: list[float], spent_s: float) -> int:
+    def tree_nodes(self, values: list[float], spent_s: float, room=None) -> int:
         """How many of a drafted trie's nodes to verify, given their values largest first and the seconds this
         cycle has already spent: the n that maximises expected tokens per second,
         (1 + r * (v_1 + ... + v_n)) / (spent + verify(n)), with r the measured ratio of accepted nodes to
         predicted ones (draft probabilities are not acceptance chances; a weak draft is over-confident). All
-        of them until costs are measured, and with adaptive=False or prune_tree=False."""
+        of them until costs are measured, and with adaptive=False or prune_tree=False.
+
+        `room` (a compiled target's `ModelState.tree_room`): the verification runs padded to a bucket, so its
+        cost is a step per bucket, not a line in n, and a bucket carries room(n) nodes for the price of n. Then
+        each size the trie can be verified at is costed at the fastest of its recent verifications (a first
+        call that compiled, or a slow moment of the host, does not stick), and a size seen fewer than twice is
+        tried first, the largest first. A line fitted to captured cycles would keep every node for good: once
+        the trie fills the largest bucket every cycle, the counts stop varying and the line has no slope."""
         if not (self.config.adaptive and self.config.prune_tree) or self.cycles < 3 or not values:
             return len(values)
         r = min(self.realised / self.predicted, 1.0 / max(values[0], 1e-6))  # a chance is at most 1
+        if room is not None:
+            return self._tree_size(values, spent_s, r, room)
         best, best_rate, total = 1, 0.0, 0.0
         for n, v in enumerate(values, start=1):
             total += v
@@ -172,6 +192,17 @@ class DraftLengthPolicy:
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
+
+    def _tree_size(self, values: list[float], spent_s: float, r: float, room) -> int:
+        sizes = sorted({room(n) for n in range(1, len(values) + 1)})
+        costs = {size: min(self.size_times[size]) for size in sizes if len(self.size_times.get(size, ())) >= 2}
+        unseen = [size for size in sizes if size not in costs]
+        if unseen:
+            return min(unseen[-1], len(values))
+        prefix = list(itertools.accumulate(values))
+        rates = {size: (1 + r * prefix[min(size, len(values)) - 1]) / (spent_s + max(costs[size], 1e-6))
+                 for size in sizes}
+        return min(max(sizes, key=rates.__getitem__), len(values))
 
     def next_k(self) -> int:
         if not self.config.adaptive or self.cycles < 3 or self.draft_step is None:
@@ -269,6 +300,7 @@ class XTokSpec:
         self.draft_vocab: DraftVocab | None = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
         self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
+        self._tree_size_times: dict = {}  # captured tree verification costs per size (DraftLengthPolicy)
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
@@ -520,7 +552,7 @@ class _Run:
 
     def __init__(self, spec: XTokSpec, params: SamplingParams, config: SpecConfig, kind: str, stats: GenerationStats):
         self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
-        self.policy = DraftLengthPolicy(config)
+        self.policy = DraftLengthPolicy(config, size_times=spec._tree_size_times)
         self.config = config
         self.min_confidence = config.draft_confidence
         self.warpers = sampling.build_warpers(params) if params.do_sample else None
@@ -628,7 +660,7 @@ class _Run:
         return bool(stats.stop_reason)
 
     def _account(self, drafted, proposed, accepted, committed, draft_s, bridge_s, verify_s, nodes=None,
-                 rejected=None, prefill=False, kind=None) -> None:
+                 rejected=None, prefill=False, kind=None, size=None) -> None:
         s = self.stats
         kind = kind or self.kind
         s.proposal_cycles[kind] = s.proposal_cycles.get(kind, 0) + 1
@@ -645,7 +677,7 @@ class _Run:
         s.draft_lengths.append(drafted)
         s.proposal_lengths.append(proposed if nodes is None else nodes)
         s.accepted_lengths.append(accepted)
-        self.policy.update(drafted, proposed, accepted, draft_s, None if prefill else verify_s, nodes, rejected)
+        self.policy.update(drafted, proposed, accepted, draft_s, None if prefill else verify_s, nodes, rejected, size)
 
     # ---------------------------------------------------------------- 1. draft
     def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:
@@ -761,8 +793,11 @@ class _Run:
             ids = self._bridge_branch(path, eos)
             trie.insert(ids, max_depth, self.max_tree_nodes, self._node_values(path, scores, ids))
         full = trie.size
-        keep = self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0)
-        trie = trie.pruned(target.tree_room(keep))  # compiled: the bucket's padding rows, as nodes, cost nothing
+        captured = target.step is not None
+        keep = self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0,
+                                      target.tree_room if captured else None)
+        size = target.tree_room(keep)  # compiled: the bucket's padding rows, as nodes, cost nothing
+        trie = trie.pruned(size)
         t2 = time.perf_counter()
         prefill = len(target.ids) - target.cached > 1
         logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
@@ -784,7 +819,7 @@ class _Run:
         self.policy.calibrate(sum(trie.values[1:]), len(path))
         self.stats.pruned_nodes += full - trie.size
         self._account(steps, trie.depth, len(path), len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
-                      nodes=trie.size, rejected=rejected, prefill=prefill)
+                      nodes=trie.size, rejected=rejected, prefill=prefill, size=size if captured else None)
         return new_ids
 
     def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool, list[float]]], int]:
