@@ -44,6 +44,7 @@ CONTEXT = 512
 REPS = 20
 VERIFY_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 COMPILED_LENGTHS = (1, 2, 4, 8)  # one compiled bucket each
+TREE_ROWS = (8, 16, 32)  # compiled tree-masked verifications: the last id and 7, 15, 31 trie nodes
 
 
 def shapes(tiny: bool) -> dict[str, tuple]:
@@ -118,6 +119,30 @@ def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
     return costs
 
 
+@torch.inference_mode()
+def tree_costs(model, device: str, reps: int, rows: tuple[int, ...] = TREE_ROWS) -> dict[int, float]:
+    """rows -> seconds of a compiled tree-masked verification (`forward_tree`, as a tree cycle runs it) of the
+    last id and rows - 1 trie nodes, 4 children per node, after a CONTEXT-token context; dropped after each call.
+    The twelfth session's loop found a 32-row tree cycle ~5 ms dearer than a chain's; this says how much of it
+    is the target's verification."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (CONTEXT + rows[-1],)).tolist()
+    state = ModelState(model, ids[:CONTEXT], "static", CONTEXT + 64, compile_step(model, "target"),
+                       tree_nodes=rows[-1] - 1)
+    state.forward(keep=1)  # the context
+    costs = {}
+    for n in rows:
+        tokens = [0] + ids[CONTEXT : CONTEXT + n - 1]  # node 0: the last id, already there
+        parents = [-1] + [(i - 1) // 4 for i in range(1, n)]
+
+        def call(tokens=tokens, parents=parents):
+            state.forward_tree(tokens, parents)
+            state.keep_path([], tokens)
+
+        costs[n] = timed(call, device, reps)
+    return costs
+
+
 def measure_pair(name: str, target_config, draft_config, device: str, reps: int) -> dict:
     dtype = torch.bfloat16
     out = {"pair": name}
@@ -130,6 +155,8 @@ def measure_pair(name: str, target_config, draft_config, device: str, reps: int)
         out[f"{role}_eager"] = per_call_costs(model, device, reps, compiled=False, backend="dynamic")
         out[f"{role}_static"] = per_call_costs(model, device, reps, compiled=False, backend="static")
         out[f"{role}_compiled"] = per_call_costs(model, device, reps, compiled=True, backend="static", lengths=lengths)
+        if role == "target":
+            out["target_tree_compiled"] = tree_costs(model, device, reps)
         print(f"{name} {role}: {out[f'{role}_params'] / 1e9:.2f} B params; 1-token step eager "
               f"{out[f'{role}_eager'][1] * 1e3:.2f} ms, compiled {out[f'{role}_compiled'][1] * 1e3:.2f} ms", flush=True)
         del model
@@ -176,16 +203,22 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
     is for chains); each draft forward at the cost of a draft call over `width` ids (a tree level: the level's
     nodes on the draft's own cache, `ModelState.grow_tree`), and each verification at the target's cost for
     its nodes plus one id. Since the eleventh session both run through the compiled steps with compile=True,
-    padded to the buckets, so "compiled" costs them at their buckets' compiled costs. ASSUMED: a tree-masked
-    call costs what a causal call of the same length does (the same shapes, an explicit mask instead of one
-    built inside), and, where a length was not measured compiled (the draft's 4 rows before the eleventh
-    session), it costs what the longest shorter measured one does (memory-bound at these sizes)."""
+    padded to the buckets, so "compiled" costs them at their buckets' compiled costs: the target's tree-masked
+    verification as measured (`target_tree_compiled`, 8, 16 and 32 rows, since the twelfth session). ASSUMED
+    where not measured: a tree-masked call costs what a causal call of the same length does (the same shapes,
+    an explicit mask instead of one built inside), and, where a length was not measured compiled (the draft's 4
+    rows before the eleventh session), it costs what the longest shorter measured one does."""
     if not results.is_file():
         return []
     runs = json.loads(results.read_text())["runs"]
     verify = pair[f"target_{costs}"]
     step = verify[1]
     draft_step = pair[f"draft_{costs}"][1]
+    measured_trees = pair.get("target_tree_compiled", {}) if costs == "compiled" else {}
+
+    def tree_verify(m: int) -> float:  # m nodes and the id before them; tree-masked where that was measured
+        return measured_trees.get(m + 1) or verify_cost(verify, m)
+
     rows: dict[tuple, list[float]] = {}
     for run in runs:
         stats = run.get("stats") or {}
@@ -200,7 +233,7 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
             width = int(re.search(r"tree(\d+)", run["system"]).group(1))
             level = measured_at_most(pair[f"draft_{costs}"], padded(width) if costs == "compiled" else width)
             nodes = [padded(m + 1) - 1 if costs == "compiled" else m for m in lengths]
-            cost = steps_per_cycle * level + sum(verify_cost(verify, m) for m in nodes) / cycles
+            cost = steps_per_cycle * level + sum(tree_verify(m) for m in nodes) / cycles
             rows.setdefault((run["system"], run["mode"]), []).append(tokens / ((cost + overhead_s) / step))
             continue
         tokens = sum(expected_tokens(alpha, m) for m in lengths) / cycles
@@ -223,6 +256,10 @@ def markdown(meta: dict, pairs: list[dict], predictions: dict) -> str:
     lines += ["", "Verification cost (ms, compiled) by proposals m: "]
     for p in pairs:
         lines.append(f"- {p['pair']}: " + ", ".join(f"m={m} {ms(v)}" for m, v in p["target_compiled"].items()))
+    for p in pairs:
+        if p.get("target_tree_compiled"):
+            lines.append(f"- {p['pair']}, tree-masked (rows = the last id + nodes): "
+                         + ", ".join(f"{n} rows {ms(v)}" for n, v in p["target_tree_compiled"].items()))
     lines += ["", "**Predicted** speedups over the target alone (CPU acceptance traces of the real preset x these GPU "
               "costs; not measured), both models compiled, or both eager on the static cache (CUDA's default):",
               "", "| pair | system | mode | predicted, compiled | predicted, eager |", "|---|---|---|---|---|"]

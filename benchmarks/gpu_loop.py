@@ -48,38 +48,47 @@ class CallTimer:
 
     METHODS = ("forward", "feed", "forward_tree", "grow_tree")
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, target=None):
         self.cuda = device.startswith("cuda")
+        self.target = target  # the target model: its calls are "target ...", every other model's "draft ..."
         self.events: list[tuple] = []
-        self.host = 0.0  # on a CPU the calls are synchronous: wall time is the call time
+        self.host: dict[str, float] = {}  # on a CPU the calls are synchronous: wall time is the call time
         self.originals = {name: getattr(ModelState, name) for name in self.METHODS}
 
     def __enter__(self):
         for name, original in self.originals.items():
-            def timed(state, *args, _original=original, **kwargs):
+            def timed(state, *args, _original=original, _name=name, **kwargs):
                 if not self.cuda:
                     start = time.perf_counter()
                     out = _original(state, *args, **kwargs)
-                    self.host += time.perf_counter() - start
+                    key = f"{self.role(state)} {_name}"
+                    self.host[key] = self.host.get(key, 0.0) + time.perf_counter() - start
                     return out
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
                 out = _original(state, *args, **kwargs)
                 end.record()
-                self.events.append((begin, end))
+                self.events.append((f"{self.role(state)} {_name}", begin, end))
                 return out
             setattr(ModelState, name, timed)
         return self
+
+    def role(self, state) -> str:
+        return "target" if state.model is self.target else "draft"
 
     def __exit__(self, *exc):
         for name, original in self.originals.items():
             setattr(ModelState, name, original)
 
-    def seconds(self) -> float:
+    def seconds(self) -> dict[str, float]:
+        """Seconds in model calls per "role method" (e.g. "target forward_tree", "draft grow_tree")."""
         if not self.cuda:
-            return self.host
+            return dict(self.host)
         torch.cuda.synchronize()
-        return sum(b.elapsed_time(e) for b, e in self.events) / 1e3
+        out: dict[str, float] = {}
+        for key, begin, end in self.events:
+            out[key] = out.get(key, 0.0) + begin.elapsed_time(end) / 1e3
+        return out
 
 
 def tokenizer(name: str):
@@ -108,19 +117,21 @@ def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
     spec.generate(PROMPTS[0], max_new_tokens=tokens)  # warm-up (compiles, allocates)
     rows = []
     for prompt in PROMPTS:
-        with CallTimer(device) as timer:
+        with CallTimer(device, spec.target_model) as timer:
             sync(device)
             start = time.perf_counter()
             result = spec.generate(prompt, max_new_tokens=tokens)
             sync(device)
             wall = time.perf_counter() - start
-            model = timer.seconds()
+            calls = timer.seconds()
+        model = sum(calls.values())
         cycles = result.stats.target_forwards
         rows.append({"prompt": prompt, "tokens": len(result.token_ids), "cycles": cycles,
                      "draft_forwards": result.stats.draft_forwards, "nodes": result.stats.drafted / cycles,
                      "wall_s": wall, "model_s": model,
                      "cycle_ms": 1e3 * wall / cycles, "overhead_ms": 1e3 * (wall - model) / cycles,
-                     "overhead_share": (wall - model) / wall})
+                     "overhead_share": (wall - model) / wall,
+                     **{f"{key} ms": 1e3 * t / cycles for key, t in sorted(calls.items())}})
     return summarise(rows)
 
 
@@ -179,6 +190,12 @@ def markdown(meta: dict, results: dict) -> str:
                          f"{100 * r['median_overhead_share']:.1f}% |")
         else:
             lines.append(f"| {name} | {r['median_cycles']:.0f} | | {r['median_cycle_ms']:.2f} | | | |")
+    lines += ["", "Model calls per cycle by kind (ms, medians over prompts):", ""]
+    for name, r in results.items():
+        split = {k[len("median_"):-3]: v for k, v in r.items() if k.startswith("median_") and k.endswith(" ms")
+                 and k[len("median_"):-3].split(" ")[0] in ("target", "draft")}
+        if split:
+            lines.append(f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh 6 same|bridged   # the loop's overhead with CUDA graphs, one draft per call
 #   bash benchmarks/gpu_run.sh 7 ["-k expression"]   # chi-square cases on CUDA (about two per call)
 #   bash benchmarks/gpu_run.sh 8 test|bridged|same   # captured trees: the CUDA test, or the 13B-shape loop per draft
+#   bash benchmarks/gpu_run.sh 9   # per-call costs at the 13B shapes with the tree-masked 8/16/32-row verifications
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -68,6 +69,11 @@ case "${1:-1}" in
     step 560 "loopt-${2:-bridged}" python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts "${2:-bridged}" \
       --out "$OUT/loopt-${2:-bridged}"
   fi
+  ;;
+9)  # the twelfth session found a 32-row captured tree cycle ~5 ms dearer than a chain's: what the target's
+    # tree-masked verification costs per bucket (three more target graphs to compile, ~30 s each at this shape)
+  step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/real-trees-s11/results.json \
+    --out "$OUT/gpu13"
   ;;
 esac
 # one archive: the device returns at most 8 files

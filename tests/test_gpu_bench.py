@@ -53,12 +53,14 @@ def test_loop_timer_brackets_every_model_call_and_restores(bridged_spec):
 
     loop = load_script("benchmarks/gpu_loop.py")
     before = {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS}
-    with loop.CallTimer("cpu") as timer:
+    with loop.CallTimer("cpu", bridged_spec.target_model) as timer:
         start = time.perf_counter()
         result = bridged_spec.generate("使用する C コンパイラが", max_new_tokens=8)
         wall = time.perf_counter() - start
     assert result.stats.target_forwards >= 1
-    assert 0 < timer.seconds() < wall
+    calls = timer.seconds()  # per role and method
+    assert 0 < sum(calls.values()) < wall
+    assert {"target forward", "draft forward"} <= set(calls), calls
     assert {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS} == before
 
 
@@ -74,6 +76,12 @@ def test_tree_prediction_costs_levels_and_verification_at_their_compiled_buckets
     assert row["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (14.0 + 14.0) / 2) / 10.0))  # 5 and 7 ids -> 8
     (eager,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")
     assert eager["predicted_speedup"] == pytest.approx(3 / ((2 * 6.0 + (25.0 + 27.0) / 2) / 20.0))
+    pair["target_tree_compiled"] = {8: 16.0, 16: 18.0, 32: 22.0}  # measured tree-masked (twelfth session on)
+    (masked,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
+    assert masked["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (16.0 + 16.0) / 2) / 10.0))
+    (eager_again,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")  # compiled costs only
+    assert eager_again["predicted_speedup"] == pytest.approx(eager["predicted_speedup"])
+    del pair["target_tree_compiled"]
     del pair["draft_compiled"][4]  # not measured (stored costs before the eleventh session): the 1-id call's
     (older,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
     assert older["predicted_speedup"] == pytest.approx(3 / ((2 * 1.0 + 14.0) / 10.0))
