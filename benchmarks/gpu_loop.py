@@ -114,7 +114,9 @@ def no_eos(model, tok) -> None:
 
 
 def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
-    spec.generate(PROMPTS[0], max_new_tokens=tokens)  # warm-up (compiles, allocates)
+    # compile=True: every shape now (the twelfth session's measured prompts had met one first, a 44-s stall)
+    spec.warmup(max(PROMPTS, key=len), max_new_tokens=tokens, progress=False)
+    spec.generate(PROMPTS[0], max_new_tokens=tokens)  # warm-up (allocates)
     rows = []
     for prompt in PROMPTS:
         with CallTimer(device, spec.target_model) as timer:
@@ -215,7 +217,12 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="+", default=["same", "bridged"], choices=["same", "bridged"],
                         help="which drafts run (a compiled run of both may not fit in one 10-minute device call)")
     args = parser.parse_args()
+    import logging
+
     import transformers
+
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("xtokspec").setLevel(logging.INFO)  # what compiles, and when
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,38 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, ti
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tiny_target, bpe_tokenizer, monkeypatch,
+                                                                 caplog):
+    """`warmup` compiles what generations of the prompt's size class meet, so that none stops to compile (on an
+    H100 at the 13B shapes the twelfth session's loop stalled 44 s in its third prompt). Dynamo runs for real
+    (eager backend): after the warm-up, generations of several prompt lengths compile no graph, announce no
+    new shape, and still equal the target's greedy output."""
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: real_compile(model, backend="eager", dynamic=False))
+    torch._dynamo.reset()
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer),
+                    config=SpecConfig(compile=True, tree_width=tree_width))
+    caplog.set_level(logging.INFO, logger="xtokspec")
+    shapes = spec.warmup("ファイルシステムをマウントするには", max_new_tokens=16, progress=False)
+    # the draft's 6 buckets and the target's 6 (chain, or tree-masked), and with trees the draft's levels
+    assert shapes == 12 + (2 if tree_width == 2 else 0)
+    announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
+    assert len(announced) == shapes, announced
+    graphs = counters["stats"]["unique_graphs"]
+    caplog.clear()
+    for prompt in ["東京", *PROMPTS]:
+        assert spec.generate(prompt, max_new_tokens=16).token_ids == target_ids(tiny_target, prompt, 16), prompt
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer)).warmup("東京") == 0  # nothing compiled
+    with pytest.raises(XTokSpecError, match="max_new_tokens"):
+        spec.warmup("東京", max_new_tokens=0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("draft", ["bridged", "same"])
 def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_compile, ja_target, ja_draft_bpe,
                                                                 ja_draft_same, heldout_prompts):

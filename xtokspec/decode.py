@@ -30,10 +30,12 @@ import torch
 from . import sampling, tree
 from .bridge import TextSync, TokenCodec, build_token_map, byte_ends
 from .cache import (
+    COMPILE_BUCKETS,
     ModelState,
     choose_backend,
     compile_step,
     input_device,
+    padded_length,
     select_rows,
     sliding_layers,
     takes_tree_masks,
@@ -349,6 +351,59 @@ class XTokSpec:
         text = self._decode(token_ids)
         return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stats.stop_reason)
 
+    def warmup(self, prompt: str, max_new_tokens: int = 128, *, tree_width: int | None = None,
+               progress: bool = True) -> int:
+        """With `SpecConfig(compile=True)`: compile now every shape that generations of this prompt's size can
+        meet, so that none of them stops to compile (a first call of a new shape: seconds on a CPU, tens of
+        seconds per shape for a 13B model on a GPU). Returns the number of shapes; 0 without compile=True.
+
+        Compiled calls are specialised on the cache's size class (buffers of 256, 384, 512, 768, ... positions),
+        which the prompt's length plus `max_new_tokens` decides: warm up with a prompt and a `max_new_tokens`
+        like those you will serve (a generation in another class compiles its own shapes, once). The shapes: the
+        draft's forwards in every bucket (1, 2, 4, 8, 16, 32 ids), and the target's, as a chain's verifications
+        or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's tree levels."""
+        config = self.config if tree_width is None else dataclasses.replace(self.config, tree_width=tree_width)
+        if not config.compile:
+            return 0
+        from tqdm.auto import tqdm
+
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
+        target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
+        trees = config.tree_width > 1
+
+        def chain(state, n):  # n more ids fed after the prompt: a drafting step, a resync or a verification
+            state.ids.extend([state.ids[-1]] * n)
+            state.forward(keep=1)
+
+        def trie(state, n):  # the last id and n - 1 trie nodes
+            tokens = [0] + [state.ids[-1]] * (n - 1)
+            state.forward_tree(tokens, [-1] + [(i - 1) // config.tree_width for i in range(1, n)])
+            state.keep_path([], tokens)
+
+        def level(state, n):  # a beam level of n nodes on the draft's cache
+            state.grow_tree([state.ids[-1]] * n, [0] * n)
+
+        plan = [(draft, chain, n) for n in COMPILE_BUCKETS]
+        plan += [(target, trie if trees else chain, n) for n in COMPILE_BUCKETS]
+        if trees and draft.grows_trees:
+            widths = {padded_length(w): w for w in range(1, config.tree_width + 1)}  # the widest per bucket
+            plan += [(draft, level, w) for w in sorted(widths.values())]
+        try:
+            with torch.inference_mode():
+                for state in (target, draft):
+                    state.forward(keep=1)  # the prompt (eager: a cache's first forward always is)
+                done = 0
+                for state, call, n in tqdm(plan, desc="compiling", disable=not progress):
+                    prompt_len = len(state.ids)
+                    for _ in range(2):  # CUDA graphs are recorded on a shape's second call
+                        call(state, n)
+                        state.truncate(prompt_len)
+                    done += 1
+        finally:
+            self._release(target)
+            self._release(draft)
+        return done
+
     def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
         """Yield the continuation's text as soon as it is verified (whole characters only)."""
         token_ids: list[int] = []
@@ -472,6 +527,18 @@ class XTokSpec:
             reuse = self._idle_kv.pop(id(model), None)
         return ModelState(model, ids, backend, capacity, step, tree_nodes, reuse)
 
+    def _states(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int,
+                config: SpecConfig) -> tuple[ModelState, ModelState]:
+        """Both models' ids and caches for a generation of `max_new_tokens`, sized as the loop needs them."""
+        trees = config.tree_width > 1
+        target = self._model_state(self.target_model, target_ids, config, len(target_ids) + max_new_tokens,
+                                   config.max_tree_nodes if trees else 0)
+        # the draft's beam: at most tree_width nodes per level, one level per draft step (grow_tree)
+        draft = self._model_state(self.draft_model, draft_ids, config,
+                                  len(draft_ids) + 3 * max_new_tokens + 2 * config.max_draft_tokens + 16,
+                                  config.tree_width * config.max_draft_tokens if trees else 0)
+        return target, draft
+
     def _release(self, state: ModelState) -> None:
         """A finished generation's static cache, kept for the next one (the larger, if two finish)."""
         if state.backend == "static":
@@ -586,13 +653,7 @@ class _Run:
         # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens
         # ids; the draft's text in its own tokens is unknown in advance: at most 3 per target token is budgeted,
         # and a draft that fills its cache only stops drafting (self.draft_limit), which costs speed, not output.
-        trees = self.config.tree_width > 1
-        target = spec._model_state(spec.target_model, target_ids, self.config, len(target_ids) + max_new_tokens,
-                                   self.config.max_tree_nodes if trees else 0)
-        # the draft's beam: at most tree_width nodes per level, one level per draft step (grow_tree)
-        draft = spec._model_state(spec.draft_model, draft_ids, self.config,
-                                  len(draft_ids) + 3 * max_new_tokens + 2 * self.config.max_draft_tokens + 16,
-                                  self.config.tree_width * self.config.max_draft_tokens if trees else 0)
+        target, draft = spec._states(target_ids, draft_ids, max_new_tokens, self.config)
         self.max_tree_nodes = target.max_tree_nodes(self.config.max_tree_nodes)  # compiled: one captured call
         self.target_limit = min(self.target_limit, target.capacity)
         self.draft_limit = min(self.draft_limit, draft.capacity)
