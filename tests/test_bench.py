@@ -142,6 +142,30 @@ def test_bench_end_to_end_on_the_fixtures(tmp_path, capsys, ja_target):
     assert (tmp_path / "fixtures" / "table.md").read_text() == table
 
 
+def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeypatch):
+    """`xtokspec bench --compile`: the xtokspec systems run with compile=True (torch.compile as the identity
+    here: the padded buckets run eagerly through the same code), each warmed up, for its chain and its trees,
+    before any is timed."""
+    import torch
+
+    from xtokspec.bench import load_preset, run_benchmark
+    from xtokspec.decode import XTokSpec
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    warmed = []
+    real_warmup = XTokSpec.warmup
+    monkeypatch.setattr(XTokSpec, "warmup", lambda self, *a, **k: warmed.append(k.get("tree_width")) or real_warmup(self, *a, **k))
+    models = load_preset("fixtures", torch.float32)
+    prompt = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()[0]
+    runs = run_benchmark(models, ["greedy"], [prompt], 8, progress=False, tree_widths=(2,), compile=True,
+                         only=("xtokspec-same", "xtokspec-bridged", "xtokspec-bridged-tree2"))
+    ours = [r for r in runs if r.system != "target"]
+    assert {r.system for r in ours} == {"xtokspec-same", "xtokspec-bridged", "xtokspec-bridged-tree2"}
+    assert all(r.stats["cache"] == "static/static+compile" for r in ours)
+    assert all(r.new_tokens == 8 for r in ours)
+    assert sorted(warmed) == [1, 1, 2]  # the chosen systems only: two chains and the bridged draft's width-2 tree
+
+
 def test_report_only_without_an_earlier_run_names_the_missing_file(tmp_path, capsys):
     assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
     assert "results.json" in capsys.readouterr().err

@@ -166,6 +166,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         def run(prompt, n, seed):
             result = spec.generate(prompt, max_new_tokens=n, seed=seed, **kw, **extra)
             return result.token_ids, result.stats
+        run.spec, run.tree_width = spec, extra.get("tree_width", 1)  # what --compile warms up
         return run
 
     systems = {"target": hf()}
@@ -213,30 +214,37 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
-                  tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None) -> list[Run]:
+                  tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
+                  compile: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
-    `calibration` (default: `calibration_texts()`)."""
+    `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system with SpecConfig(compile=True)
+    (static caches, so no separate `-static` systems), each compiled for the longest prompt before any is timed
+    (`XTokSpec.warmup`)."""
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
 
     t_model = models.target[0]
     eos_ids = _eos_ids(*models.target)
-    spec_same = XTokSpec(models.target, models.draft_same) if models.draft_same else None
-    spec_cross = XTokSpec(models.target, models.draft_cross) if models.draft_cross else None
-    spec_fixed = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(adaptive=False))
+    def config(**options) -> SpecConfig:
+        return SpecConfig(compile=compile, **options)
+
+    spec_same = XTokSpec(models.target, models.draft_same, config=config()) if models.draft_same else None
+    spec_cross = XTokSpec(models.target, models.draft_cross, config=config()) if models.draft_cross else None
+    spec_fixed = (XTokSpec(models.target, models.draft_cross, config=config(adaptive=False))
                   if models.draft_cross else None)
-    spec_extra = {label: (pair, XTokSpec(models.target, pair)) for label, pair in models.extra_cross.items()}
-    spec_tree_all = (XTokSpec(models.target, models.draft_cross, config=SpecConfig(prune_tree=False))
+    spec_extra = {label: (pair, XTokSpec(models.target, pair, config=config()))
+                  for label, pair in models.extra_cross.items()}
+    spec_tree_all = (XTokSpec(models.target, models.draft_cross, config=config(prune_tree=False))
                      if tree_unpruned and models.draft_cross else None)
     spec_trim = None
     if draft_vocab and models.draft_cross:
-        spec_trim = XTokSpec(models.target, models.draft_cross)
+        spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
         print(spec_trim.trim_draft_vocab(calibration or calibration_texts(), draft_vocab).describe(), flush=True)
-    static = SpecConfig(cache="static")
-    spec_static = {key: XTokSpec(models.target, pair, config=static)
-                   for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
+    spec_static = {} if compile else {  # compiled systems are on the static cache already
+        key: XTokSpec(models.target, pair, config=SpecConfig(cache="static"))
+        for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     counters = {"target": Counter(), "draft": Counter()}
     handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]
     for pair in (models.draft_same, models.draft_cross, models.draft_cross_hf, models.draft_cross_hf_sampled,
@@ -251,6 +259,12 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
     chosen = {m: {name: fn for name, fn in systems.items() if not only or name in only or name == "target"}
               for m, systems in every.items()}
+    if compile:  # every shape of every chosen xtokspec system now, so that no timed run stops to compile
+        longest = max(prompts, key=len)
+        shapes = {(id(fn.spec), fn.tree_width): fn for systems in chosen.values() for fn in systems.values()
+                  if hasattr(fn, "spec")}
+        for fn in shapes.values():
+            fn.spec.warmup(longest, max_new_tokens, tree_width=fn.tree_width, progress=progress)
     total = sum(map(len, chosen.values())) * len(prompts)
     bar = tqdm(total=total, desc="bench", disable=not progress)
     try:
@@ -564,8 +578,10 @@ def main_bench(args: argparse.Namespace) -> int:
         prompts = REAL_PROMPTS[: args.prompts]
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
-                         tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration)
+                         tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration,
+                         compile=args.compile)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "compile": args.compile,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
     print(write_report(out, meta, runs))
@@ -582,6 +598,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
+    bench.add_argument("--compile", action="store_true",
+                       help="xtokspec systems with SpecConfig(compile=True) (CUDA graphs on a GPU), every shape "
+                            "compiled before timing (minutes per system for a large model)")
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[4], metavar="W",
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
     bench.add_argument("--tree-unpruned", action="store_true",
