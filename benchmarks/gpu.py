@@ -194,7 +194,8 @@ def measured_at_most(costs: dict, n: int) -> float:
     return costs[max(k for k in costs if k <= n)]
 
 
-def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled") -> list[dict]:
+def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled",
+            tree_overhead_s: float | None = None) -> list[dict]:
     """PREDICTION: speedups of the real pairs' CPU acceptance traces at this pair's GPU costs: "compiled" (CUDA
     graphs, over the compiled target step) or "static" (eager on the static cache, CUDA's default, over the
     eager target step).
@@ -219,6 +220,7 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
     def tree_verify(m: int) -> float:  # m nodes and the id before them; tree-masked where that was measured
         return measured_trees.get(m + 1) or verify_cost(verify, m)
 
+    tree_overhead_s = overhead_s if tree_overhead_s is None else tree_overhead_s
     rows: dict[tuple, list[float]] = {}
     for run in runs:
         stats = run.get("stats") or {}
@@ -234,7 +236,7 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
             level = measured_at_most(pair[f"draft_{costs}"], padded(width) if costs == "compiled" else width)
             nodes = [padded(m + 1) - 1 if costs == "compiled" else m for m in lengths]
             cost = steps_per_cycle * level + sum(tree_verify(m) for m in nodes) / cycles
-            rows.setdefault((run["system"], run["mode"]), []).append(tokens / ((cost + overhead_s) / step))
+            rows.setdefault((run["system"], run["mode"]), []).append(tokens / ((cost + tree_overhead_s) / step))
             continue
         tokens = sum(expected_tokens(alpha, m) for m in lengths) / cycles
         cost = steps_per_cycle * draft_step + sum(verify_cost(verify, m) for m in lengths) / cycles
@@ -278,6 +280,8 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=["13b", "7b-1b"])
     parser.add_argument("--overhead-ms", type=float, default=None,
                         help="the loop's own cost per cycle (bridge, syncs, Python); default: 0 (left out)")
+    parser.add_argument("--tree-overhead-ms", type=float, default=None,
+                        help="the same for a token tree's cycle (beam, branch bridging, trie); default: --overhead-ms")
     parser.add_argument("--traces", type=Path, default=ROOT / "benchmarks" / "real" / "results.json",
                         help="the CPU acceptance traces to predict from (an `xtokspec bench` results.json)")
     parser.add_argument("--costs", type=Path, default=None,
@@ -291,21 +295,22 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "reps": args.reps, "tiny": args.tiny, "buckets": COMPILE_BUCKETS}
     overhead = (args.overhead_ms or 0.0) / 1e3
+    tree_overhead = overhead if args.tree_overhead_ms is None else args.tree_overhead_ms / 1e3
     pairs, predictions = [], {}
     stored = {}
     if args.costs:
         stored_json = json.loads(args.costs.read_text())
         meta = stored_json["meta"] | {"costs_from": str(args.costs)}
         stored = {p["pair"]: p for p in stored_json["pairs"]}
-    meta["traces"] = str(args.traces)
+    meta |= {"traces": str(args.traces), "overhead_ms": overhead * 1e3, "tree_overhead_ms": tree_overhead * 1e3}
     for name in ([n for n in args.pairs if n in stored] if args.costs else args.pairs):
         # written after each pair, so that a run stopped at its time limit keeps the first
         pair = stored.get(name) or measure_pair(name, *shapes(args.tiny)[name], args.device, args.reps)
         pairs.append({k: ({int(m): v for m, v in c.items()} if isinstance(c, dict) else c) for k, c in pair.items()})
         eager = {(r["system"], r["mode"]): r["predicted_speedup"]
-                 for r in predict(pairs[-1], args.traces, overhead, "static")}
+                 for r in predict(pairs[-1], args.traces, overhead, "static", tree_overhead)}
         predictions[name] = [r | {"predicted_eager": eager.get((r["system"], r["mode"]), float("nan"))}
-                             for r in predict(pairs[-1], args.traces, overhead)]
+                             for r in predict(pairs[-1], args.traces, overhead, tree_overhead_s=tree_overhead)]
         (out / "gpu.json").write_text(json.dumps({"meta": meta, "pairs": pairs, "predictions": predictions}, indent=1))
         (out / "gpu.md").write_text(markdown(meta, pairs, predictions))
     print((out / "gpu.md").read_text())

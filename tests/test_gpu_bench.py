@@ -81,6 +81,8 @@ def test_tree_prediction_costs_levels_and_verification_at_their_compiled_buckets
     assert masked["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (16.0 + 16.0) / 2) / 10.0))
     (eager_again,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")  # compiled costs only
     assert eager_again["predicted_speedup"] == pytest.approx(eager["predicted_speedup"])
+    (dearer,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=1.0, tree_overhead_s=3.0)  # a tree's own
+    assert dearer["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + 16.0 + 3.0) / 10.0))
     del pair["target_tree_compiled"]
     del pair["draft_compiled"][4]  # not measured (stored costs before the eleventh session): the 1-id call's
     (older,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
