@@ -431,6 +431,10 @@ def test_trees_need_a_target_that_takes_tree_masks_and_a_sliding_target_is_refus
     spec = XTokSpec((target, sp_tokenizer), draft)
     with pytest.raises(XTokSpecError, match="attention implementation 'flex_attention'.*attn_implementation='sdpa'"):
         spec.generate("東京", max_new_tokens=4, tree_width=2)
+    compiled = XTokSpec((target, sp_tokenizer), draft, config=SpecConfig(compile=True))
+    with pytest.raises(XTokSpecError, match="attention implementation 'flex_attention'"):  # before compiling anything
+        compiled.warmup("東京", max_new_tokens=4, tree_width=2, progress=False)
+    assert not compiled._steps
     assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is False
     target.config._attn_implementation = "sdpa"
     assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is True

@@ -368,6 +368,7 @@ class XTokSpec:
         from tqdm.auto import tqdm
 
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
+        self._check_trees(config)
         target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
         trees = config.tree_width > 1
 
@@ -581,6 +582,14 @@ class XTokSpec:
             )
         if tree_width is not None:
             config = dataclasses.replace(config, tree_width=tree_width)
+        self._check_trees(config)
+        kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
+        stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
+        with torch.inference_mode():
+            yield from _Run(self, params, config, kind, stats).cycles(target_ids, draft_ids, max_new_tokens)
+
+    def _check_trees(self, config: SpecConfig) -> None:
+        """Token trees need a target that can verify a trie in one forward."""
         if config.tree_width > 1 and sliding_layers(self.target_model):
             raise XTokSpecError(
                 f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
@@ -592,10 +601,6 @@ class XTokSpec:
                 f"attention implementation {self.target_model.config._attn_implementation!r} does not apply: load it "
                 f"with attn_implementation='sdpa' (or 'eager'), or use tree_width=1"
             )
-        kind = self._proposal_kind(params, proposal or config.proposal, config.tree_width)
-        stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
-        with torch.inference_mode():
-            yield from _Run(self, params, config, kind, stats).cycles(target_ids, draft_ids, max_new_tokens)
 
     def _proposal_kind(self, params: SamplingParams, proposal: str, tree_width: int = 1) -> str:
         if proposal not in ("auto", "onehot", "intersection"):
