@@ -77,10 +77,17 @@ def test_greedy_cycle_makes_two_host_transfers():
 @pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4),
                                      dict(tree_width=4, compile=True, cache="static")],
                          ids=["compiled", "tree4", "compiled-tree4"])
-def test_greedy_is_lossless_on_cuda_with(options):
+def test_greedy_is_lossless_on_cuda_with(options, caplog):
     """CUDA graphs (padded buckets, replayed outputs), tree-masked verification and draft levels, and both (tree
-    steps captured), against the target's generate."""
+    steps captured), against the target's generate. Compiled: warmed up first (graphs recorded by `warmup`),
+    after which no generation compiles."""
+    import logging
+
     target = load("ja-target", "cuda")
     spec = XTokSpec(target, load("ja-draft-bpe", "cuda"), config=SpecConfig(**options))
+    if options.get("compile"):
+        assert spec.warmup(max(PROMPTS, key=len), max_new_tokens=32, progress=False) > 0
+    caplog.set_level(logging.INFO, logger="xtokspec")
     for prompt in PROMPTS:
         assert spec.generate(prompt, max_new_tokens=32).token_ids == target_ids(target, prompt, 32), prompt
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
