@@ -305,9 +305,11 @@ class ModelState:
             capacity = buffer_capacity(capacity, limit)
         self.tree_nodes = tree_nodes  # room past `capacity` for the nodes of a tree being verified
         self._tree_parents: list[int] | None = None  # the open tree's parents per node (node 0: -1); None: none
+        self._columns = np.arange(0)  # cache positions, for tree masks
         # A sliding-window layer's cache is a ring buffer: it cannot hold a tree's nodes and then drop them; and
         # the nodes need an attention that applies their mask.
         self.grows_trees = not sliding_layers(model) and takes_tree_masks(model)
+        self._mask_dtype: torch.dtype | None = None  # a tree mask's dtype, looked up at the first tree forward
         if (backend == "static" and reuse is not None and reuse.prefix == (step is None)
                 and reuse.capacity >= capacity + tree_nodes):
             reuse.reset()
@@ -455,7 +457,10 @@ class ModelState:
         # base, their ancestors and themselves), then padding (the ids before start and themselves). NumPy: a
         # few microseconds where the same in torch ops took ~50 per call, every draft level and verification.
         prefix = np.array([start + i + 1 for i in range(u)] + [base] * n + [start] * (width - rows))
-        visible = np.arange(self.kv.mask_length(width))[None, :] < prefix[:, None]  # (width, L)
+        columns = self.kv.mask_length(width)
+        if len(self._columns) < columns:
+            self._columns = np.arange(columns)
+        visible = self._columns[None, :columns] < prefix[:, None]  # (width, L)
         for j in range(n):
             a = first + j
             while a > 0:
@@ -463,8 +468,10 @@ class ModelState:
                 a = self._tree_parents[a]
         pad = np.arange(rows, width)
         visible[pad, start + pad] = True
-        dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.from_numpy(np.where(visible, np.float32(0), np.float32(torch.finfo(dtype).min))).to(dtype)
+        if self._mask_dtype is None:  # once: through the module tree it costs ~20 us, every level and trie
+            self._mask_dtype = self.model.get_input_embeddings().weight.dtype
+        hidden = torch.finfo(self._mask_dtype).min
+        mask = torch.zeros(visible.shape, dtype=self._mask_dtype).masked_fill_(torch.from_numpy(~visible), hidden)
         ids = to_device([new + tokens + [PAD_ID] * (width - rows)], self.device)  # (1, width)
         kwargs = dict(attention_mask=to_device(mask[None, None], self.device),
                       position_ids=to_device([positions], self.device))
