@@ -150,6 +150,30 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, ti
     torch._dynamo.reset()
 
 
+def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenizer):
+    """keep_path moves an accepted path that is not nodes 1, 2, ... into place: through a compiled step with one
+    captured call for every layer (inductor for real here), padded to a bucket by positions copied onto
+    themselves. The cache then holds exactly the committed ids: the next forward equals a plain one."""
+    from xtokspec.cache import ModelState, compile_step
+
+    model = tiny_llama(sp_tokenizer, seed=5)
+    step = compile_step(model, "target")
+    prompt = list(range(30, 50))
+    with torch.inference_mode():
+        state = ModelState(model, prompt, "static", 64, step, tree_nodes=16)
+        state.forward(keep=1)
+        tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 2, 3, 1]  # nodes 2 -> 3 -> 4: positions 1-3 past base
+        state.forward_tree(tokens, parents)
+        state.keep_path([2, 3, 4], tokens)
+        assert state.ids == prompt + [6, 7, 8] and state.cached == len(state.ids)
+        state.ids.append(11)
+        got = state.forward(keep=1)[0]
+        want = model(input_ids=torch.tensor([state.ids])).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (4, state.kv.capacity, "move") in step.shapes  # 3 positions, padded to 4
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("tree_width", [1, 2])
 def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tiny_target, bpe_tokenizer, monkeypatch,
                                                                  caplog):
@@ -167,7 +191,7 @@ def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tin
     caplog.set_level(logging.INFO, logger="xtokspec")
     shapes = spec.warmup("ファイルシステムをマウントするには", max_new_tokens=16, progress=False)
     # the draft's 6 buckets and the target's 6 (chain, or tree-masked), and with trees the draft's levels
-    assert shapes == 12 + (2 if tree_width == 2 else 0)
+    assert shapes == 12 + (2 + 6 if tree_width == 2 else 0)  # with trees: the levels, and keep_path's moves
     announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
     assert len(announced) == shapes, announced
     graphs = counters["stats"]["unique_graphs"]

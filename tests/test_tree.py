@@ -10,7 +10,7 @@ from test_greedy import HOSTILE_PROMPTS, NEW_TOKENS, check_prompts
 
 import reference.tree as ref
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.cache import ModelState
+from xtokspec.cache import ModelState, move_positions
 from xtokspec.tree import Trie, verify_tree_greedy, verify_tree_sampled
 
 
@@ -212,6 +212,11 @@ def tree_state(model, prompt: list[int], backend: str, calls: list[int] | None =
             positions.append(int(kwargs["position_ids"].max()))
         return model(**kwargs)
 
+    def move(tensors, index_from, index_to):  # keep_path's captured move (CompiledStep.move_positions)
+        calls.append(("move", index_from.shape[0]))
+        move_positions(tensors, index_from, index_to)
+
+    step.move_positions = move
     return ModelState(model, prompt, "static", 40, step, tree_nodes=16)
 
 
@@ -241,7 +246,7 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(arch, ba
         state.ids.append(99)
         got = state.forward(keep=1)[0]
         torch.testing.assert_close(got, model(input_ids=torch.tensor([state.ids])).logits[0, -1], atol=1e-4, rtol=0)
-    assert calls == ([16, 1] if backend == "static+step" else [])
+    assert calls == ([16, ("move", 4), 1] if backend == "static+step" else [])  # 3 positions moved, padded to 4
     # the padding's positions stay within the real rows' (22 ids; node depths up to 4): a learned position table
     # (GPT-2's) has no row past the context's end
     assert positions == ([21 + 4] if backend == "static+step" else [])

@@ -254,9 +254,11 @@ class CompiledStep:
         if getattr(dynamo_config, "recompile_limit", needed) < needed:
             dynamo_config.recompile_limit = needed
         self.cuda = input_device(model).type == "cuda"
-        self.compiled = torch.compile(model, mode="reduce-overhead" if self.cuda else None, dynamic=False)
+        self.mode = "reduce-overhead" if self.cuda else None  # CUDA graphs
+        self.compiled = torch.compile(model, mode=self.mode, dynamic=False)
+        self.compiled_move = None  # keep_path's move, compiled at its first use (a target's, with trees)
         self.role = role
-        self.shapes: set[tuple[int, int | None, bool]] = set()
+        self.shapes: set[tuple] = set()  # (ids, buffer size, tree mask) per forward; (positions, size, "move")
 
     def __call__(self, *, input_ids: torch.Tensor, past_key_values, **kwargs):
         layers = getattr(past_key_values, "layers", None) or [None]
@@ -271,6 +273,28 @@ class CompiledStep:
         self.shapes.add(shape)
         log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
         return out
+
+    def move_positions(self, tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
+        """`move_positions`, compiled once per index length (the buckets) and buffer size: eagerly two small
+        kernels per layer tensor (~160 launches for a 40-layer target), captured one replay."""
+        if self.compiled_move is None:
+            self.compiled_move = torch.compile(move_positions, mode=self.mode, dynamic=False)
+        shape = (index_from.shape[0], tensors[0].shape[2], "move")
+        if shape in self.shapes:
+            return self.compiled_move(tensors, index_from, index_to)
+        what = f"the {self.role}'s {shape[0]}-position move over a {shape[1]}-position cache"
+        log.info("compiling %s (once per shape)", what)
+        start = time.perf_counter()
+        self.compiled_move(tensors, index_from, index_to)
+        self.shapes.add(shape)
+        log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
+
+
+def move_positions(tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
+    """In every (batch, heads, positions, head_dim) cache tensor, copy positions `index_from` to `index_to`
+    (all read before any is written)."""
+    for t in tensors:
+        t.index_copy_(2, index_to, t.index_select(2, index_from))
 
 
 def compile_step(model, role: str = "model") -> CompiledStep:
@@ -504,16 +528,31 @@ class ModelState:
         in place, and drop every other node."""
         base = self._tree_base
         src = [base + n - 1 for n in path]
-        if src != list(range(base, base + len(path))):  # already in place when the path is nodes 1, 2, ...
-            index_from = to_device(src, self.device)
-            index_to = torch.arange(base, base + len(path), device=self.device)
-            for keys, values in self.kv.layer_tensors():
-                for t in (keys, values):  # (1, heads, L, head_dim)
-                    moved = t.index_select(2, index_from.to(t.device))
-                    t.index_copy_(2, index_to.to(t.device), moved)
+        dst = list(range(base, base + len(path)))
+        if src != dst:  # already in place when the path is nodes 1, 2, ...
+            tensors = [t for pair in self.kv.layer_tensors() for t in pair]  # (1, heads, L, head_dim) each
+            bucket = self._move_bucket(len(path), base, tensors)
+            if bucket:
+                # padded to a bucket by positions past the path copied onto themselves: no destination, and
+                # rolled back below
+                pad = list(range(base + len(path), base + bucket))
+                self.step.move_positions(tensors, to_device(src + pad, self.device), to_device(dst + pad, self.device))
+            else:
+                index_from, index_to = to_device(src, self.device), to_device(dst, self.device)
+                for t in tensors:
+                    move_positions([t], index_from.to(t.device), index_to.to(t.device))
         self.kv.rollback(base + len(path))
         self._tree_parents = None
         self.ids.extend(tokens[n] for n in path)
+
+    def _move_bucket(self, length: int, base: int, tensors: list[torch.Tensor]) -> int | None:
+        """The padded length of a captured move of `length` positions from `base`, or None to move eagerly (no
+        compiled step, a length past the largest bucket, the buffer's end, or layers on several devices)."""
+        if getattr(self.step, "move_positions", None) is None:
+            return None
+        bucket = padded_length(length)
+        fits = bucket is not None and base + bucket <= self.kv.capacity
+        return bucket if fits and all(t.device == tensors[0].device for t in tensors) else None
 
     def branches(self, rows: int) -> DynamicCache:
         """A DynamicCache with the cached positions repeated over `rows` batch rows (for tree drafting)."""

@@ -361,7 +361,8 @@ class XTokSpec:
         which the prompt's length plus `max_new_tokens` decides: warm up with a prompt and a `max_new_tokens`
         like those you will serve (a generation in another class compiles its own shapes, once). The shapes: the
         draft's forwards in every bucket (1, 2, 4, 8, 16, 32 ids), and the target's, as a chain's verifications
-        or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's tree levels."""
+        or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's tree levels and
+        the target's moves of an accepted path into place."""
         config = self.config if tree_width is None else dataclasses.replace(self.config, tree_width=tree_width)
         if not config.compile:
             return 0
@@ -384,11 +385,19 @@ class XTokSpec:
         def level(state, n):  # a beam level of n nodes on the draft's cache
             state.grow_tree([state.ids[-1]] * n, [0] * n)
 
+        def move(state, n):  # a kept path of n nodes that is not in place (node 1 is off it): keep_path's move
+            tokens = [0] + [state.ids[-1]] * (n + 1)
+            state.forward_tree(tokens, [-1, 0, 0] + list(range(2, n + 1)))
+            state.keep_path(list(range(2, n + 2)), tokens)
+
         plan = [(draft, chain, n) for n in COMPILE_BUCKETS]
         plan += [(target, trie if trees else chain, n) for n in COMPILE_BUCKETS]
         if trees and draft.grows_trees:
             widths = {padded_length(w): w for w in range(1, config.tree_width + 1)}  # the widest per bucket
             plan += [(draft, level, w) for w in sorted(widths.values())]
+        if trees:  # an accepted path off the first branch: at most every node but one
+            lengths = {padded_length(n): n for n in range(1, target.max_tree_nodes(config.max_tree_nodes))}
+            plan += [(target, move, n) for n in sorted(lengths.values())]
         try:
             with torch.inference_mode():
                 for state in (target, draft):
