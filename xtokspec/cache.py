@@ -264,15 +264,8 @@ class CompiledStep:
         layers = getattr(past_key_values, "layers", None) or [None]
         tree = kwargs.get("attention_mask") is not None  # a tree-masked forward: its own graph
         shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None), tree)
-        if shape in self.shapes:
-            return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
         what = f"the {self.role}'s {shape[0]}-id {'tree ' if tree else ''}step over a {shape[1]}-position cache"
-        log.info("compiling %s (once per shape%s)", what, "; minutes for a large model" if self.cuda else "")
-        start = time.perf_counter()
-        out = self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
-        self.shapes.add(shape)
-        log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
-        return out
+        return self._run(shape, what, self.compiled, input_ids=input_ids, past_key_values=past_key_values, **kwargs)
 
     def move_positions(self, tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
         """`move_positions`, compiled once per index length (the buckets) and buffer size: eagerly two small
@@ -280,14 +273,19 @@ class CompiledStep:
         if self.compiled_move is None:
             self.compiled_move = torch.compile(move_positions, mode=self.mode, dynamic=False)
         shape = (index_from.shape[0], tensors[0].shape[2], "move")
-        if shape in self.shapes:
-            return self.compiled_move(tensors, index_from, index_to)
         what = f"the {self.role}'s {shape[0]}-position move over a {shape[1]}-position cache"
-        log.info("compiling %s (once per shape)", what)
+        self._run(shape, what, self.compiled_move, tensors, index_from, index_to)
+
+    def _run(self, shape: tuple, what: str, compiled, *args, **kwargs):
+        """`compiled(*args, **kwargs)`, logging its first call of each shape (the one that compiles)."""
+        if shape in self.shapes:
+            return compiled(*args, **kwargs)
+        log.info("compiling %s (once per shape%s)", what, "; minutes for a large model" if self.cuda else "")
         start = time.perf_counter()
-        self.compiled_move(tensors, index_from, index_to)
+        out = compiled(*args, **kwargs)
         self.shapes.add(shape)
         log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
+        return out
 
 
 def move_positions(tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
