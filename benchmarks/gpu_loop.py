@@ -194,8 +194,7 @@ def markdown(meta: dict, results: dict) -> str:
             lines.append(f"| {name} | {r['median_cycles']:.0f} | | {r['median_cycle_ms']:.2f} | | | |")
     lines += ["", "Model calls per cycle by kind (ms, medians over prompts):", ""]
     for name, r in results.items():
-        split = {k[len("median_"):-3]: v for k, v in r.items() if k.startswith("median_") and k.endswith(" ms")
-                 and k[len("median_"):-3].split(" ")[0] in ("target", "draft")}
+        split = {k[len("median_"):-3]: v for k, v in r.items() if k.startswith("median_") and k.endswith(" ms")}
         if split:
             lines.append(f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     return "\n".join(lines) + "\n"

@@ -190,8 +190,9 @@ def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tin
                     config=SpecConfig(compile=True, tree_width=tree_width))
     caplog.set_level(logging.INFO, logger="xtokspec")
     shapes = spec.warmup("ファイルシステムをマウントするには", max_new_tokens=16, progress=False)
-    # the draft's 6 buckets and the target's 6 (chain, or tree-masked), and with trees the draft's levels
-    assert shapes == 12 + (2 + 6 if tree_width == 2 else 0)  # with trees: the levels, and keep_path's moves
+    # the draft's 6 buckets and the target's 6 (chain, or tree-masked); with trees also the draft's 2 level widths
+    # and keep_path's 6 move lengths
+    assert shapes == 12 + (2 + 6 if tree_width == 2 else 0)
     announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
     assert len(announced) == shapes, announced
     graphs = counters["stats"]["unique_graphs"]

@@ -227,6 +227,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
 
     t_model = models.target[0]
     eos_ids = _eos_ids(*models.target)
+
     def config(**options) -> SpecConfig:
         return SpecConfig(compile=compile, **options)
 

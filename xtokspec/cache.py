@@ -545,12 +545,12 @@ class ModelState:
 
     def _move_bucket(self, length: int, base: int, tensors: list[torch.Tensor]) -> int | None:
         """The padded length of a captured move of `length` positions from `base`, or None to move eagerly (no
-        compiled step, a length past the largest bucket, the buffer's end, or layers on several devices)."""
+        compiled step, a length past the largest bucket, the buffer's end, or layers off the input device)."""
         if getattr(self.step, "move_positions", None) is None:
             return None
         bucket = padded_length(length)
         fits = bucket is not None and base + bucket <= self.kv.capacity
-        return bucket if fits and all(t.device == tensors[0].device for t in tensors) else None
+        return bucket if fits and all(t.device == self.device for t in tensors) else None
 
     def branches(self, rows: int) -> DynamicCache:
         """A DynamicCache with the cached positions repeated over `rows` batch rows (for tree drafting)."""
