@@ -13,9 +13,9 @@ Budget: a full tox run may fail a correct implementation, by bad luck, with prob
 ``FALSE_FAILURE_BUDGET = 1e-3``. By the union bound that holds when the alphas of all statistical
 tests sum to <= 1e-3, so with N statistical tests each runs at ``per_test_alpha(N) = 1e-3 / N``.
 A suite that owns only a share of the run passes its share as ``budget``:
-``per_test_alpha(N, budget=share)``; tests/reference/test_statistical.py claims 2e-4 of the 1e-3
-for its 11 statistical tests, so each runs at alpha = 2e-4 / 11 = 1.8e-5, leaving 8e-4 for the
-torch-side suites. Seeds are fixed, so a test that passes once passes every time; the budget is
+``per_test_alpha(N, budget=share)``; tests/reference/test_ref_statistical.py claims 1e-4 of the
+1e-3 for its statistical tests, and tests/test_stats.py (the torch side) the other 9e-4 for its own;
+each file counts its tests by introspection. Seeds are fixed, so a test that passes once passes every time; the budget is
 the chance that the fixed seeds chosen were unlucky. Tests that run twice on the same seed (in
 the ``reference`` and ``stats`` tox envs) are the same event and count once.
 """

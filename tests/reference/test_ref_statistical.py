@@ -5,9 +5,9 @@ that the correct one passes the chi-square test at ALPHA while the wrong one fai
 so no test here can pass by having no power.
 
 Budget (see reference/chisquare.py): the project allows a false-failure probability of 1e-3 for a
-full tox run. This file claims REFERENCE_BUDGET = 2e-4 of it for NUM_STATISTICAL_TESTS = 12 tests
+full tox run. This file claims REFERENCE_BUDGET = 1e-4 of it for NUM_STATISTICAL_TESTS = 13 tests
 (counting parametrizations), so each correct-sampler check runs at
-ALPHA = 2e-4 / 12 = 1.67e-5. The negative controls do not spend budget: they are expected to fail,
+ALPHA = 1e-4 / 13 = 7.7e-6. The negative controls do not spend budget: they are expected to fail,
 and a control that passed would be a test failure caused by too little power, not by chance on
 a correct sampler. ``test_statistical_test_count_matches_the_budget`` keeps the count honest.
 
@@ -39,9 +39,10 @@ from reference.exact import (
     truncate_at_eos,
 )
 from reference.rejection import map_proposal, onehot_block, sample_race, speculative_block
+from reference.tree import sampled_root_tree_law, sampled_root_tree_walk
 
-REFERENCE_BUDGET = 2e-4  # this file's share of chisquare.FALSE_FAILURE_BUDGET (1e-3)
-NUM_STATISTICAL_TESTS = 12
+REFERENCE_BUDGET = 1e-4  # this file's share of chisquare.FALSE_FAILURE_BUDGET (1e-3)
+NUM_STATISTICAL_TESTS = 13
 ALPHA = per_test_alpha(NUM_STATISTICAL_TESTS, budget=REFERENCE_BUDGET)
 
 NUM_DRAFT_TOKENS, VOCAB_SIZE = 3, 6
@@ -326,6 +327,59 @@ def test_speculative_generate_with_a_chooser_matches_target():
     kinds = {choose_from_history(s[:i], ()) for s in correct for i in range(len(s))}
     assert kinds == {"full", "onehot"}, kinds  # both kinds were chosen
     check_samples_with_control(exact, correct, wrong, "kinds chosen from the history (control: chooser peeks)")
+
+
+# --- a token tree whose root's children are drawn from q (reference/tree.py) -------------------------
+
+
+def sampled_root_trie(root_q, count, subtree_fn, rng):
+    """Draw the root's children from root_q without replacement (an exponential race) and hang subtree_fn(t)
+    under each -> (tokens, parents) in the order the walk tries them."""
+    keys = np.where(root_q > 0, root_q / rng.exponential(size=len(root_q)), -1.0)
+    children = [int(t) for t in np.argsort(-keys)[: min(count, int((root_q > 0).sum()))]]
+    tokens, parents = [-1] + children, [-1] + [0] * len(children)
+    for child_node, token in enumerate(children, start=1):
+        sub_tokens, sub_parents = subtree_fn(token)
+        base = len(tokens) - 1  # subtree node n >= 1 becomes node base + n
+        for n in range(1, len(sub_tokens)):
+            tokens.append(sub_tokens[n])
+            parents.append(child_node if sub_parents[n] == 0 else base + sub_parents[n])
+    return tokens, parents
+
+
+@pytest.mark.stats
+def test_tree_walk_with_a_sampled_root_matches_its_exact_law():
+    """Children drawn from q, the walk run on them: its output has the exact law (the target's, by
+    test_ref_tree). Control: the one-hot rule's residual update (p_j with c_j removed) under the q test."""
+    vocab, count = 4, 2
+    rng = np.random.default_rng(90)
+    tables = {prefix: rng.dirichlet(np.full(vocab, 0.5)) for prefix in [()] + [(t,) for t in range(vocab)]}
+    root_q = rng.dirichlet(np.full(vocab, 0.5))
+    subtree = {t: ([-1, (t + 1) % vocab], [-1, 0]) for t in range(vocab)}  # one child under each root child
+    uniform_row = lambda prefix: tables.get(prefix, np.full(vocab, 1.0 / vocab))  # noqa: E731
+    exact = sampled_root_tree_law(root_q, count, subtree.__getitem__, uniform_row)
+
+    def run(flaw):
+        out = []
+        for _ in range(NUM_SEQUENCES):
+            tokens, parents = sampled_root_trie(root_q, count, subtree.__getitem__, rng)
+            node_probs = np.stack([uniform_row(tuple(t for t in _path_tokens(tokens, parents, n))) for n in range(len(tokens))])
+            uniforms = rng.random((len(tokens), count))
+            path, token = sampled_root_tree_walk(tokens, parents, node_probs, root_q, uniforms,
+                                                 rng.exponential(size=vocab), flaw)
+            out.append(tuple(tokens[n] for n in path) + (token,))
+        return out
+
+    check_samples_with_control(exact, run(None), run("onehot_residual"),
+                               "tree walk with a sampled root (control: one-hot residual update)")
+
+
+def _path_tokens(tokens, parents, node):
+    out = []
+    while node > 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
 
 
 # --- the chi-square helper itself -----------------------------------------------------------------
