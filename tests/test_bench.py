@@ -46,11 +46,13 @@ def test_comparisons_only_lists_pairs_that_ran():
 def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its_pruned_twin():
     from xtokspec.bench import tree_pairs
 
-    pairs = tree_pairs(["xtokspec-bridged", "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all"])
+    pairs = tree_pairs(["xtokspec-bridged", "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all",
+                        "xtokspec-bridged-tree4-top"])
     assert ("xtokspec-bridged-tree4", "xtokspec-bridged") in pairs
     assert ("xtokspec-bridged-tree4", "xtokspec-bridged-intersection") in pairs
     assert ("xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all") in pairs
-    assert not any(a.endswith("-all") for a, _ in pairs)  # the unpruned tree only as the baseline of its twin
+    assert ("xtokspec-bridged-tree4", "xtokspec-bridged-tree4-top") in pairs  # sampled root vs top candidates
+    assert not any(a.endswith(("-all", "-top")) for a, _ in pairs)  # only as the baseline of its twin
 
 
 def test_trimmed_head_systems_are_compared_with_their_full_head_twins():

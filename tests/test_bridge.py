@@ -117,6 +117,24 @@ def test_drafted_eos_becomes_a_candidate_and_is_never_kept(sp, bpe):
     assert eos_t not in TextSync(sp, bpe).propose(incomplete, eos_candidate=eos_t)
 
 
+def test_a_branch_can_be_made_to_start_with_its_drawn_first_piece(sp, bpe):
+    """A sampled tree root draws the target token a branch starts with (the first piece of its first draft
+    token); the rest of the branch's bytes follow it, a character it ends inside completed by byte pieces."""
+    sync = TextSync(sp, bpe)
+    drafted = bpe.encode_fragment("東京都")  # 東京 | 都
+    assert pieces(sp, sync.propose(drafted)) == ["東京", "都"]
+    assert pieces(sp, sync.propose_from(sp_id(sp, "東"), drafted)) == ["東", "京", "都"]
+    e6 = sp_id(sp, "<0xE6>")  # the first of 東's three bytes (E6 9D B1)
+    assert pieces(sp, sync.propose_from(e6, drafted)) == ["<0xE6>", "<0x9D>", "<0xB1>", "京", "都"]
+    eos_t = sp.tokenizer.eos_token_id
+    assert pieces(sp, sync.propose_from(sp_id(sp, "東"), drafted, eos_candidate=eos_t))[-1] == "</s>"
+    with pytest.raises(ValueError, match="first piece"):
+        sync.propose_from(sp_id(sp, "京"), drafted)
+    sync.commit([sp_id(sp, "<0xF0>")], drafted=[])  # an incomplete character is pending: no first pieces
+    with pytest.raises(ValueError, match="first piece"):
+        sync.propose_from(sp_id(sp, "東"), drafted)
+
+
 def test_token_map_compares_bytes_not_strings(sp, bpe):
     tmap = build_token_map(bpe, sp, eos_pairs=[(0, 2)])
     (tokyo,) = bpe.encode_fragment("東京")

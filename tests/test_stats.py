@@ -1,8 +1,8 @@
 """Chi-square tests of xtokspec's sampling against exact distributions, each with a negative control.
 
 False-failure budget (see reference/chisquare.py): a full tox run may fail a correct implementation with
-probability <= 1e-3. tests/reference claims 2e-4 for its 12 tests; this file claims the other 8e-4 for its
-NUM_TESTS statistical tests, so each runs at ALPHA = 8e-4 / NUM_TESTS. Seeds are fixed: a pass is
+probability <= 1e-3. tests/reference claims 1e-4 for its 13 tests; this file claims the other 9e-4 for its
+NUM_TESTS statistical tests, so each runs at ALPHA = 9e-4 / NUM_TESTS. Seeds are fixed: a pass is
 reproducible, and the budget is the chance that the seeds chosen were unlucky. Every test also runs a
 deliberately wrong sampler on the same sample size and asserts that the same check rejects it (p < ALPHA).
 """
@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import reference
+import reference.tree as reference_tree
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 15  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=8e-4)  # 5.3e-5
+NUM_TESTS = 18  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 5.0e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -128,6 +129,62 @@ def test_mapped_proposal_first_token():
     wrong = np.bincount([s[0] for s in run_blocks(p, q, 5, verify_flaw=wrong_map)], minlength=V)
     assert reference.chisquare_test(wrong, p[0], ALPHA).rejected
 
+
+
+def sum_keyed_draw(draft_probs, groups, num_groups, count, noise):
+    """WRONG: draw_groups_without_replacement keying a group by the sum of its ids' race keys, not the largest."""
+    keys = torch.where(groups >= 0, draft_probs / noise, torch.zeros_like(draft_probs))
+    group_keys = torch.zeros(num_groups, dtype=keys.dtype).index_add_(0, groups.clamp(min=0), keys)
+    top_keys, top_groups = group_keys.topk(min(count, num_groups))
+    chosen = top_groups[top_keys > 0].tolist()
+    ids = [int(((groups == g) * keys).argmax()) for g in chosen]
+    return chosen, ids
+
+
+@pytest.mark.stats
+def test_sampled_root_draws_and_rule_have_the_exact_joint_law():
+    """A sampled root on fixed tables: 2 candidates drawn from a draft over 7 ids (one ungrouped, two sharing a
+    target id) with `sampling.draw_groups_without_replacement`, tested with `tree.verify_tree_sampled(root_q=...)`.
+    The outcome (children in draw order, emitted token) has the exact joint law of reference/tree.py: the draws
+    are a draw without replacement from q, and the token follows the rule given them (so, averaged, p). Controls:
+    the draw keyed by a sum (not a draw from q) and the rule's q left unnormalised after each removal."""
+    vocab, count = 5, 2
+    rng = np.random.default_rng(6)
+    p = rng.dirichlet(np.full(vocab, 0.7))  # (V,) target at the root
+    draft_probs = torch.from_numpy(rng.dirichlet(np.full(7, 0.7)))  # (Vd,)
+    groups = torch.tensor([0, 1, 2, 3, 4, 4, -1])
+    root_q = sampling.grouped_distribution(draft_probs, groups, vocab)
+    q = root_q.numpy()
+    exact = {(children, token): prob * law[token]
+             for children, prob in reference_tree.without_replacement_law(q, count).items()
+             for law in [reference_tree.sampled_node_law_given(p, q, children)] for token in range(vocab) if law[token] > 0}
+    probs = torch.from_numpy(np.stack([p] + [np.full(vocab, 1.0 / vocab)] * count))  # rows below: any distribution
+
+    def outcomes(seed, draw=sampling.draw_groups_without_replacement):
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(N_BLOCK):
+            noise = torch.empty(7, dtype=torch.float64).exponential_(generator=gen)
+            children, _ = draw(draft_probs, groups, vocab, count, noise)
+            trie = tree.Trie()
+            for token in children:
+                trie.insert([token])
+            uniforms = torch.rand((trie.size + 1, count), generator=gen, dtype=torch.float64)
+            race_noise = torch.empty(vocab, dtype=torch.float64).exponential_(generator=gen)
+            path, token = tree.verify_tree_sampled(probs[: trie.size + 1], trie, uniforms, race_noise, root_q=root_q)
+            out.append((tuple(children), trie.tokens[path[0]] if path else token))
+        return out
+
+    result = reference.assert_samples_match(outcomes(7), exact, ALPHA, "sampled root: draws and emitted token")
+    report = [f"sampled root draws and rule (N={N_BLOCK}): p={result.pvalue:.3g}"]
+    for label, flawed_draw, flawed_rule in (("sum-keyed draw", sum_keyed_draw, None),
+                                            ("q not renormalised", None, "no_renormalize")):
+        with pytest.MonkeyPatch.context() as patch:
+            if flawed_rule:
+                patch.setattr(tree, "sampled_tests", flawed_sampled_tests(flawed_rule))
+            wrong = outcomes(7, flawed_draw or sampling.draw_groups_without_replacement)
+        report.append(f"{label} control p={control_rejected(wrong, exact, label).pvalue:.3g}")
+    print("; ".join(report))
 
 # ---------------------------------------------------------------- B. end to end on the fixture models
 # Three new tokens with K fixed at 3: the first cycle carries min(K, LENGTH - 1) = 2 proposals, so the loop's
@@ -329,9 +386,13 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 # ---------------------------------------------------------------- C. token trees end to end
 # A tree of TREE_WIDTH candidates per depth, drafted TREE_DEPTH draft tokens deep, over the same three tokens:
 # the first cycle's tree holds up to 2 target levels, so a walk that accepts 2 nodes has applied the rule at
-# the root and at a node below it. The negative controls replace `tree.walk_sampled` (the function the loop
-# calls) by a mutant that accepts the j-th child with p(c_j) instead of p(c_j) / (1 - mass of the rejected
-# children) -- the missing renormalisation -- at the root only ("first") or below it only ("deep").
+# the root and at a node below it. Two rules exist at the root (SpecConfig.tree_root): "top" (the draft's
+# likeliest candidates, one-hot recursive rejection) and "sampled" (candidates drawn from the draft without
+# replacement and tested against its distribution; the default); below the root both use the one-hot rule.
+#
+# C1, tree_root="top". The negative controls replace `tree.walk_sampled` (the function the loop calls) by a
+# mutant that accepts the j-th child with p(c_j) instead of p(c_j) / (1 - mass of the rejected children) --
+# the missing renormalisation -- at the root only ("first") or below it only ("deep").
 # The renormalisation only matters at a node whose second (or later) child has target mass, so the prompts
 # are chosen by that effect in the first cycle's trie (tests/tools/tree_prompts.py), then checked at N=400 on
 # the v2.1 fixtures: "指定された…" first-level control p=1e-11 (deep share 0.23); "(8) はユーザ" deep control
@@ -342,6 +403,22 @@ TREE_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0
 TREE_PROMPTS = {TREE_CASES[0]: "指定されたデバイス上に作成する。 ext", TREE_CASES[1]: "(8) はユーザ"}
 TREE_RUNS = {TREE_CASES[0]: 1000, TREE_CASES[1]: 1000}
 TREE_CONTROLS = {TREE_CASES[0]: ("first",), TREE_CASES[1]: ("deep",)}
+#
+# C2, tree_root="sampled". The controls replace `tree.sampled_tests` (the root's rule, as the loop calls it) by
+# a mutant with one wrong update (reference/tree.py's flaws): "keep_p" never moves p to the residual,
+# "onehot_residual" removes the rejected child from p instead of subtracting q, "no_renormalize" leaves q
+# unnormalised after removing a draw. Prompts chosen with tests/tools/sampled_root_prompts.py --deep-runs 100 by
+# the exact change each flaw makes to the root's law, among prompts whose walk goes below the root in >= 10% of
+# runs (v2.1 fixtures; total variation, deep share: "メインフォームフィールド", bpe draft, T=1.0 top-k 3:
+# onehot_residual 0.33, no_renormalize 0.07, deep share 0.36; "Awk インタープリターへのフルパスを指定",
+# same-tokenizer draft, T=0.7 top-k 6 top-p 0.9: keep_p 0.44, deep share 0.46), then checked with a real run (the
+# p-values the test prints).
+SAMPLED_ROOT_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
+SAMPLED_ROOT_PROMPTS = {SAMPLED_ROOT_CASES[0]: "メインフォームフィールド",
+                        SAMPLED_ROOT_CASES[1]: "Awk インタープリターへのフルパスを指定"}
+SAMPLED_ROOT_RUNS = {SAMPLED_ROOT_CASES[0]: 1000, SAMPLED_ROOT_CASES[1]: 1000}
+SAMPLED_ROOT_CONTROLS = {SAMPLED_ROOT_CASES[0]: ("onehot_residual",),
+                         SAMPLED_ROOT_CASES[1]: ("keep_p",)}
 
 
 def unnormalised_walk(where: str):
@@ -349,12 +426,18 @@ def unnormalised_walk(where: str):
 
     A mutant of tree.walk_sampled (the same loop, one line changed), patched in where the loop calls it."""
 
-    def flawed(trie, p_children, uniforms, renormalize=True):
+    def flawed(trie, p_children, uniforms, renormalize=True, root_tests=None):
         node, path = 0, []
         while True:
             flaw = (node == 0) == (where == FIRST)
             remaining, accepted = 1.0, None
             for j, child in enumerate(trie.children[node]):
+                if node == 0 and root_tests is not None:
+                    p_j, q_j = root_tests[j]
+                    if uniforms[0][j] * q_j < p_j:
+                        accepted = child
+                        break
+                    continue
                 if uniforms[node][j] * (1.0 if flaw else remaining) < p_children[node][j]:
                     accepted = child
                     break
@@ -367,16 +450,47 @@ def unnormalised_walk(where: str):
     return flawed
 
 
+def flawed_sampled_tests(flaw: str):
+    """WRONG: tree.sampled_tests with one wrong update (the flaws of reference/tree.py's sampled_steps)."""
+
+    def flawed(p, q, child_tokens):
+        p = p / p.sum()
+        q = q / q.sum()
+        tests = []
+        for token in child_tokens:
+            tests.append(torch.stack([p[token], q[token]]))
+            if flaw == "onehot_residual":
+                rest = p.clone()
+                rest[token] = 0.0
+            elif flaw == "keep_p":
+                rest = p
+            else:
+                rest = torch.clamp(p - q, min=0.0)
+            total = rest.sum()
+            p = torch.where(total > 0, rest / torch.where(total > 0, total, 1.0), p)
+            q = q.clone()
+            q[token] = 0.0
+            if flaw != "no_renormalize":
+                left = q.sum()
+                q = q / torch.where(left > 0, left, 1.0)
+        return (torch.stack(tests) if tests else p.new_zeros((0, 2))), p
+
+    return flawed
+
+
+def tree_spec(base, backend: str, root: str):
+    from xtokspec import SpecConfig, XTokSpec
+
+    return XTokSpec((base.target_model, base.target_tokenizer), (base.draft_model, base.draft_tokenizer),
+                    config=SpecConfig(cache=backend, tree_width=TREE_WIDTH, tree_root=root))
+
+
 @pytest.mark.stats
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) for c in TREE_CASES], ids="-".join)
 def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
-    from xtokspec import SpecConfig, XTokSpec
-
     backend, path, setting = case
-    base = same_spec if path == "same-tokenizer" else bridged_spec
-    spec = XTokSpec((base.target_model, base.target_tokenizer), (base.draft_model, base.draft_tokenizer),
-                    config=SpecConfig(cache=backend, tree_width=TREE_WIDTH))
+    spec = tree_spec(same_spec if path == "same-tokenizer" else bridged_spec, backend, "top")
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
     prompt = TREE_PROMPTS[case]
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
@@ -384,7 +498,7 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
     options = dict(num_draft_tokens=TREE_DEPTH, adaptive=False)
     samples, deep_share = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
     stats = spec.generate(prompt, max_new_tokens=2, do_sample=True, seed=0, **options, **SETTINGS[setting]).stats
-    assert stats.proposal.endswith(" tree") and stats.cache == f"{backend}/{backend}"
+    assert stats.proposal.endswith(" tree") and stats.cache == f"{backend}/{backend}" and stats.sampled_roots == 0
     assert deep_share >= MIN_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 tree nodes in one cycle"
     result = reference.assert_samples_match(samples, exact, ALPHA, f"tree {path} {setting}")
     report = [f"tree {backend} {path} {setting} (N={runs}): p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
@@ -394,6 +508,36 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
             wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
         control = control_rejected(wrong, exact, f"no renormalisation, {where}")
         report.append(f"no-renormalisation {where} control p={control.pvalue:.3g}")
+    print("; ".join(report))
+
+
+@pytest.mark.stats
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) for c in SAMPLED_ROOT_CASES],
+                         ids="-".join)
+def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
+    """Trees whose root candidates are drawn from the draft (tree_root="sampled"): the target's law, and every
+    control (a wrong update in the root's rule) fails the same check."""
+    backend, path, setting = case
+    spec = tree_spec(same_spec if path == "same-tokenizer" else bridged_spec, backend, "sampled")
+    params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
+    prompt = SAMPLED_ROOT_PROMPTS[case]
+    exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
+    runs = SAMPLED_ROOT_RUNS[case]
+    options = dict(num_draft_tokens=TREE_DEPTH, adaptive=False)
+    samples, deep_share = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+    stats = spec.generate(prompt, max_new_tokens=2, do_sample=True, seed=0, **options, **SETTINGS[setting]).stats
+    assert stats.cache == f"{backend}/{backend}" and stats.sampled_roots == 1  # the second cycle has no room
+    assert deep_share >= MIN_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 tree nodes in one cycle"
+    result = reference.assert_samples_match(samples, exact, ALPHA, f"sampled-root tree {path} {setting}")
+    report = [f"sampled-root tree {backend} {path} {setting} (N={runs}): p={result.pvalue:.3g}, "
+              f"deep share {deep_share:.2f}"]
+    for flaw in SAMPLED_ROOT_CONTROLS[case]:
+        with monkeypatch.context() as patch:
+            patch.setattr(tree, "sampled_tests", flawed_sampled_tests(flaw))
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+        control = control_rejected(wrong, exact, f"sampled root, {flaw}")
+        report.append(f"{flaw} control p={control.pvalue:.3g}")
     print("; ".join(report))
 
 

@@ -321,6 +321,58 @@ def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize)
     assert agree_paths > 500  # the walk really descends in many cases
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_torch_sampled_root_equals_the_reference_on_the_same_noise(flat):
+    """A sampled root (children drawn from q, tested against it; one-hot below): xtokspec.tree and
+    reference.tree make the same decisions from the same draws (2,000 random tries; `flat`: near-uniform p and q,
+    where later children are often reached)."""
+    agree_paths = stopped_at_root = 0
+    for seed in range(2000):
+        tokens, parents, probs, uniforms, noise = random_case(seed)
+        rng = np.random.default_rng(seed + 10_000)
+        root_q = rng.dirichlet(np.full(probs.shape[-1], 5.0 if flat else 0.4))
+        if flat:
+            probs = rng.dirichlet(np.full(probs.shape[-1], 5.0), size=len(probs))
+        root_children = [tokens[n] for n in range(1, len(tokens)) if parents[n] == 0]
+        root_q[root_children] = np.maximum(root_q[root_children], 1e-3)  # a drawn child has q > 0
+        root_q /= root_q.sum()
+        trie = Trie()
+        for node in range(1, len(tokens)):
+            trie.tokens.append(tokens[node])
+            trie.parents.append(parents[node])
+            trie.depths.append(trie.depths[parents[node]] + 1)
+            trie.children.append([])
+            trie.children[parents[node]].append(node)
+        width = trie.max_children()
+        as_f32 = lambda a: np.asarray(a, dtype=np.float32).astype(np.float64)  # noqa: E731
+        got = verify_tree_sampled(torch.tensor(probs, dtype=torch.float32), trie,
+                                  torch.tensor(uniforms[:, :width], dtype=torch.float32),
+                                  torch.tensor(noise, dtype=torch.float32),
+                                  root_q=torch.tensor(root_q, dtype=torch.float32))
+        want = ref.sampled_root_tree_walk(tokens, parents, as_f32(probs), as_f32(root_q), as_f32(uniforms[:, :width]),
+                                          as_f32(noise))
+        assert got == want, (seed, got, want)
+        agree_paths += len(got[0]) > 0
+        stopped_at_root += not got[0]
+    assert agree_paths > 500 and stopped_at_root > 100  # both outcomes are common
+
+
+def test_a_pinned_root_child_is_verified_whatever_its_value():
+    """A sampled root's draws rank before every other node and survive any pruning (dropping a draw for its own
+    value would bias the rule), and keep their draw order as the root's children."""
+    trie = Trie()
+    trie.insert([7], values=[0.01])
+    trie.insert([3], values=[0.02])
+    trie.pinned = 2
+    trie.insert([9, 4], values=[0.9, 0.8])  # a valuable node under a later, unpinned child
+    trie.insert([3, 5], values=[0.5, 0.5])  # capped at its parent's 0.02
+    assert set(trie.ranked()[:2]) == {1, 2}
+    kept = trie.pruned(1)
+    assert [kept.tokens[c] for c in kept.children[0]] == [7, 3] and kept.pinned == 2 and kept.size == 2
+    kept = trie.pruned(3)
+    assert [kept.tokens[c] for c in kept.children[0]] == [7, 3, 9] and kept.size == 3
+
+
 def test_greedy_tree_follows_the_argmax_path():
     trie = make_trie([[1, 2], [1, 3, 0], [2]])  # nodes: 1:(1) 2:(2 under 1) 3:(3 under 1) 4:(0 under 3) 5:(2)
     logits = torch.full((trie.size + 1, 4), -1.0)

@@ -140,9 +140,11 @@ def sampling_kwargs(mode: str) -> dict:
 
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
-                  spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None) -> dict:
+                  spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None, spec_tree_top=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
     (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified.
+    `spec_tree_top` (SpecConfig(tree_root="top")) adds a `-tree{m}-top` system beside each sampled tree: the
+    draft's likeliest root candidates, one-hot, instead of candidates drawn from it.
     `spec_trim` (the bridged draft with a trimmed output head, XTokSpec.trim_draft_vocab) adds a `-trim` twin of
     the bridged greedy chain, the auto sampler and each tree."""
     t_model, t_tok = models.target
@@ -177,6 +179,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             systems[name] = ours(spec_cross, tree_width=width)
             if spec_tree_all:
                 systems[name + "-all"] = ours(spec_tree_all, tree_width=width)
+            if spec_tree_top and kw["do_sample"]:  # NOTE: greedy trees always take the top candidates
+                systems[name + "-top"] = ours(spec_tree_top, tree_width=width)
             if spec_trim:
                 systems[name + "-trim"] = ours(spec_trim, tree_width=width)
 
@@ -197,7 +201,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             systems[f"xtokspec-{models.cross_label}-auto"] = ours(spec_cross, proposal="auto")
             if spec_trim:
                 systems[f"xtokspec-{models.cross_label}-auto-trim"] = ours(spec_trim, proposal="auto")
-            add_trees()  # token trees (one-hot candidates)
+            add_trees()  # token trees
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
@@ -215,7 +219,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
                   tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
-                  compile: bool = False) -> list[Run]:
+                  compile: bool = False, tree_top: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
     `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system with SpecConfig(compile=True)
@@ -239,6 +243,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                   for label, pair in models.extra_cross.items()}
     spec_tree_all = (XTokSpec(models.target, models.draft_cross, config=config(prune_tree=False))
                      if tree_unpruned and models.draft_cross else None)
+    spec_tree_top = (XTokSpec(models.target, models.draft_cross, config=config(tree_root="top"))
+                     if tree_top and models.draft_cross else None)
     spec_trim = None
     if draft_vocab and models.draft_cross:
         spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
@@ -254,7 +260,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
     every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
-                              spec_tree_all, spec_trim) for m in modes}
+                              spec_tree_all, spec_trim, spec_tree_top) for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
@@ -418,6 +424,9 @@ def tree_pairs(names) -> list[tuple[str, str]]:
         if shape.endswith("-all"):  # the unpruned tree: against its pruned twin only
             out.append((name.removesuffix("-all"), name))
             continue
+        if shape.endswith("-top"):  # the one-hot root: against its sampled-root twin only
+            out.append((name.removesuffix("-top"), name))
+            continue
         if shape.endswith("-trim"):  # the trimmed draft head: against the full head, and the trimmed auto chain
             out += [(name, name.removesuffix("-trim")), (name, base + "-auto-trim")]
             continue
@@ -580,7 +589,7 @@ def main_bench(args: argparse.Namespace) -> int:
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
                          tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration,
-                         compile=args.compile)
+                         compile=args.compile, tree_top=args.tree_top)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "compile": args.compile,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -606,6 +615,9 @@ def add_bench_parser(sub) -> None:
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
     bench.add_argument("--tree-unpruned", action="store_true",
                        help="beside each tree system, the same tree with every drafted node verified (-tree{W}-all)")
+    bench.add_argument("--tree-top", action="store_true",
+                       help="beside each tree system, in sampled modes, the same tree with the draft's likeliest root "
+                            "candidates tested one-hot instead of candidates drawn from it (-tree{W}-top)")
     bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="add -trim systems: the bridged draft's output head trimmed to the N ids most frequent in "
                             "calibration text (--calibration, or by default the fixtures' held-out Japanese and "

@@ -398,6 +398,21 @@ class TextSync:
             proposals.append(eos_candidate)
         return proposals
 
+    def propose_from(self, first: int, drafted: list[int], eos_candidate: int | None = None) -> list[int]:
+        """`propose` for a branch whose first target token is fixed: `first`, the first piece of the drafted
+        bytes (they start with its bytes; nothing is pending). The bytes after it follow as `propose` would give
+        them, a character it ends inside completed by single-byte pieces."""
+        piece = self.target.token_bytes[first]
+        drafted_bytes = self.draft.bytes_of(drafted)
+        if self.pending or not drafted_bytes.startswith(piece):
+            raise ValueError(f"drafted bytes {drafted_bytes[:16]!r} do not start with the first piece {piece!r}")
+        tail = piece[utf8_valid_prefix_len(piece):]  # the start of a character `first` ends inside
+        rest = propose_target_ids(self.target, tail, tail + drafted_bytes[len(piece):])
+        proposals = [first] + rest
+        if eos_candidate is not None and self.target.bytes_of(proposals) == drafted_bytes:
+            proposals.append(eos_candidate)
+        return proposals
+
     def commit(self, new_target_ids: list[int], drafted: list[int]) -> tuple[int, list[int]]:
         """Append committed target ids; -> (draft continuation ids to keep, draft ids to append after them).
 

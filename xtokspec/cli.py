@@ -8,7 +8,7 @@ import sys
 
 from .bench import add_bench_parser, calibration_lines, read_text
 from .models import FIXTURE_NAMES
-from .types import SamplingParams, SpecConfig, XTokSpecError, check_prompt
+from .types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _STOPPED = {"eos": "the target emitted EOS", "length": "--max-new-tokens reached",
@@ -103,8 +103,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise XTokSpecError("--compile needs the static cache (fixed shapes): drop --cache dynamic")
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
-        adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, cache=args.cache,
-        compile=args.compile,
+        adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, tree_root=args.tree_root,
+        cache=args.cache, compile=args.compile,
     )
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
                      help="token trees: drafted candidates kept at each depth, verified in one target call "
                      "(1: a single chain)")
+    gen.add_argument("--tree-root", choices=TREE_ROOTS, default=SpecConfig.tree_root,
+                     help="sampled trees: the root's candidates drawn from the draft and tested against its "
+                     "distribution (sampled), or its likeliest ones tested one-hot (top); greedy trees take the top")
     gen.add_argument("--cache", choices=("auto", "dynamic", "static"), default=SpecConfig.cache,
                      help="KV cache backend for both models; auto = static on CUDA, dynamic elsewhere")
     gen.add_argument("--compile", action="store_true",

@@ -184,7 +184,7 @@ class DraftLengthPolicy:
         the trie fills the largest bucket every cycle, the counts stop varying and the line has no slope."""
         if not (self.config.adaptive and self.config.prune_tree) or self.cycles < 3 or not values:
             return len(values)
-        r = min(self.realised / self.predicted, 1.0 / max(values[0], 1e-6))  # a chance is at most 1
+        r = min(self.realised / self.predicted, 1.0 / max(max(values), 1e-6))  # a chance is at most 1
         if room is not None:
             return self._tree_size(values, spent_s, r, room)
         best, best_rate, total = 1, 0.0, 0.0
@@ -650,6 +650,11 @@ class _Run:
             self.chooser = ProposalChooser(static)
             self.kind = static
         self.first_row = None  # the chooser's q: the draft's distribution at a cycle's first position
+        # a sampled tree root (SpecConfig.tree_root): each draft id's group, the target id its root candidate
+        # stands for (the first target token of its text; the target's EOS for the draft's; -1: none)
+        self.root_groups = None
+        if config.tree_width > 1 and params.do_sample and config.tree_root == "sampled":
+            self.root_groups = self._root_groups().to(input_device(spec.draft_model))  # (Vd,)
         if self.kind == "intersection" or self.chooser:
             self.draft_to_target = spec.draft_to_target(input_device(spec.draft_model))  # (Vd,)
             self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
@@ -657,6 +662,18 @@ class _Run:
             where = self._target_logits_device()
             self.estimate_map = spec.draft_to_target(where)  # (Vd,)
             self.estimate_first = spec.first_pieces.to(where)  # (Vd,)
+
+    def _root_groups(self) -> torch.Tensor:
+        spec = self.spec
+        target_vocab = spec.target_model.config.vocab_size
+        size = spec.draft_model.config.vocab_size
+        if self.kind == "same-tokenizer":
+            groups = torch.arange(size)
+            return torch.where(groups < target_vocab, groups, -1)
+        groups = spec.first_pieces.clone()
+        if spec.target_eos:
+            groups[[d for d in spec.draft_eos if d < size]] = min(spec.target_eos)
+        return groups
 
     @staticmethod
     def _generator(model, seed: int) -> torch.Generator:
@@ -860,18 +877,24 @@ class _Run:
     def _tree_cycle(self, target: ModelState, draft: ModelState, k: int, remaining: int) -> list[int]:
         """Draft a tree, bridge its branches into a trie of target tokens, verify it in one forward, commit."""
         t0 = time.perf_counter()
-        branches, steps = self._draft_tree(draft, max(k, 0))
+        max_depth = max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))
+        branches, steps, root = self._draft_tree(draft, max(k, 0), sample_root=max_depth > 0)
         t1 = time.perf_counter()
         trie = tree.Trie()
-        max_depth = max(0, min(remaining - 1, self.target_limit - len(target.ids) - 1))
-        for path, eos, scores in branches:
-            ids = self._bridge_branch(path, eos)
+        if root is not None:  # the draws go first, in draw order, and are all verified
+            for token in root[0][: self.max_tree_nodes]:
+                trie.insert([token])
+            trie.pinned = trie.size
+        for path, eos, scores, first in branches:
+            ids = self._bridge_branch(path, eos, first)
             trie.insert(ids, max_depth, self.max_tree_nodes, self._node_values(path, scores, ids))
+        if root is not None and [trie.tokens[c] for c in trie.children[0]] != root[0][: trie.pinned]:
+            raise RuntimeError("a sampled tree root gained a child that was not drawn (a bridge bug)")
         full = trie.size
         captured = target.step is not None
         keep = self.policy.tree_nodes([trie.values[n] for n in trie.ranked()], time.perf_counter() - t0,
                                       target.tree_room if captured else None)
-        size = target.tree_room(keep)  # compiled: the bucket's padding rows, as nodes, cost nothing
+        size = target.tree_room(max(keep, trie.pinned))  # compiled: the bucket's padding rows, as nodes, cost nothing
         trie = trie.pruned(size)
         t2 = time.perf_counter()
         prefill = len(target.ids) - target.cached > 1
@@ -883,7 +906,8 @@ class _Run:
             gen = self.target_gen
             uniforms = torch.rand((trie.size + 1, max(1, trie.max_children())), generator=gen, device=gen.device)
             noise = sampling.exponential_noise(probs.shape[-1:], gen, gen.device)
-            path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise)
+            root_q = root[1] if root is not None else None
+            path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise, root_q=root_q)
         t3 = time.perf_counter()
         target.keep_path(path, trie.tokens)
         target.ids.append(next_token)
@@ -893,18 +917,24 @@ class _Run:
         rejected = bool(trie.children[path[-1] if path else 0])
         self.policy.calibrate(sum(trie.values[1:]), len(path))
         self.stats.pruned_nodes += full - trie.size
+        self.stats.sampled_roots += root is not None
         self._account(steps, trie.depth, len(path), len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
                       nodes=trie.size, rejected=rejected, prefill=prefill, size=size if captured else None)
         return new_ids
 
-    def _draft_tree(self, draft: ModelState, k: int) -> tuple[list[tuple[list[int], bool, list[float]]], int]:
+    def _draft_tree(self, draft: ModelState, k: int, sample_root: bool = True):
         """A beam of `tree_width` draft paths grown for k steps -> (branches as (draft ids, ends at EOS, the
-        path's log-probability under the draft after each id), forwards).
+        path's log-probability under the draft after each id, the target id it must start with or None),
+        forwards, the sampled root as (target ids in draw order, (Vt,) the distribution they were drawn from)
+        or None).
 
         At each depth the candidates are the top tree_width tokens of every path's next-token distribution (the
         target's warpers applied when sampling), ranked by the path's probability under the draft; the draft's
         greedy chain goes on first, then the best candidates whose text differs from the others', up to
-        tree_width paths. A path that no candidate continues is a branch.
+        tree_width paths. A path that no candidate continues is a branch. With a sampled root (SpecConfig.
+        tree_root, when sampling and no incomplete character is pending) the first depth's tree_width
+        candidates are instead drawn without replacement from the draft, grouped by the target id each stands
+        for (`sampling.draw_groups_without_replacement`), and each branch starts with its group's target id.
         One forward per depth: the depth's nodes, tree-masked, on the draft's own cache (`grow_tree`; dropped by
         the resync), or, for a draft with sliding-window layers or an attention that takes no 4D mask, batch rows
         over a copy of its cache."""
@@ -913,57 +943,83 @@ class _Run:
         probs = self._tree_probs(draft.forward(keep=1))  # (1, Vd)
         steps = 1
         paths, texts, cums = [[]], [b""], [[]]  # per path: draft ids, their text, log-probability after each id
-        branches: list[tuple[list[int], bool, list[float]]] = []
+        firsts: list[int | None] = [None]  # per path: the target id its bridged text must start with
+        branches: list[tuple[list[int], bool, list[float], int | None]] = []
         cache = None
         nodes = [0]  # per path: its node in the draft's tree (grow_tree; 0 is the root, the last drafted-from id)
+        root = None
         for depth in range(k):
-            top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
-            candidates = sorted(
-                ((_last(cums[r]) + math.log(p), r, t) for r, (ps, ts) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True))
-                 for p, t in zip(ps, ts, strict=True) if p > 0),
-                reverse=True,
-            )
-            chosen, seen = [], set()
-            # NOTE: row 0 is always the draft's greedy chain, and its next token goes first: a tree then holds
-            # the chain that tree_width=1 would draft, and never accepts less than it with the same K.
-            first = next((c for c in candidates if c[1] == 0), None)
-            for score, r, t in ([first] if first else []) + candidates:
-                key = (texts[r] + table[t]) if table[t] else (texts[r], t)  # same text, same target tokens
-                if key not in seen:
-                    seen.add(key)
-                    chosen.append((score, r, t))
-                if len(chosen) == width:
-                    break
-            continued = {r for _, r, _ in chosen}
-            branches += [(paths[r], False, cums[r]) for r in range(len(paths)) if r not in continued and paths[r]]
+            if depth == 0 and sample_root and self.root_groups is not None and not self.sync.pending:
+                chosen, root = self._sample_root(probs[0])
+            else:
+                chosen = self._top_candidates(probs, cums, texts, table, width)
+            continued = {r for _, r, _, _ in chosen}
+            branches += [(paths[r], False, cums[r], firsts[r]) for r in range(len(paths))
+                         if r not in continued and paths[r]]
             frontier = []
-            for score, r, t in chosen:
+            for score, r, t, first in chosen:
+                first = firsts[r] if first is None else first
                 if t in self.spec.draft_eos:
-                    branches.append((paths[r] + [t], True, cums[r] + [score]))
+                    branches.append((paths[r] + [t], True, cums[r] + [score], first))
                 elif depth == k - 1:
-                    branches.append((paths[r] + [t], False, cums[r] + [score]))
+                    branches.append((paths[r] + [t], False, cums[r] + [score], first))
                 else:
-                    frontier.append((score, r, t))
+                    frontier.append((score, r, t, first))
             if not frontier:
                 break
             if draft.grows_trees:
-                first = draft.tree_size + 1
-                logits = draft.grow_tree([t for _, _, t in frontier], [nodes[r] for _, r, _ in frontier])  # (B, Vd)
-                nodes = list(range(first, first + len(frontier)))
+                start = draft.tree_size + 1
+                logits = draft.grow_tree([t for _, _, t, _ in frontier], [nodes[r] for _, r, _, _ in frontier])  # (B, Vd)
+                nodes = list(range(start, start + len(frontier)))
             else:
-                rows = [r for _, r, _ in frontier]
+                rows = [r for _, r, _, _ in frontier]
                 if cache is None:
                     cache = draft.branches(len(rows))
                 else:
                     select_rows(cache, rows)
-                tokens = to_device([[t] for _, _, t in frontier], draft.device)  # (B, 1)
+                tokens = to_device([[t] for _, _, t, _ in frontier], draft.device)  # (B, 1)
                 logits = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]  # (B, Vd)
             steps += 1
             probs = self._tree_probs(logits)  # (B, Vd)
-            paths = [paths[r] + [t] for _, r, t in frontier]
-            texts = [texts[r] + table[t] for _, r, t in frontier]
-            cums = [cums[r] + [score] for score, r, _ in frontier]
-        return branches, steps
+            paths = [paths[r] + [t] for _, r, t, _ in frontier]
+            texts = [texts[r] + table[t] for _, r, t, _ in frontier]
+            cums = [cums[r] + [score] for score, r, _, _ in frontier]
+            firsts = [first for _, _, _, first in frontier]
+        return branches, steps, root
+
+    def _top_candidates(self, probs: torch.Tensor, cums, texts, table, width: int) -> list[tuple[float, int, int, None]]:
+        """A depth's candidates: (path log-probability, row, draft id, None), the greedy chain's first."""
+        top_p, top_i = probs.topk(min(width, probs.shape[-1]), dim=-1)  # (B, w)
+        candidates = sorted(
+            ((_last(cums[r]) + math.log(p), r, t, None) for r, (ps, ts) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True))
+             for p, t in zip(ps, ts, strict=True) if p > 0),
+            reverse=True,
+        )
+        chosen, seen = [], set()
+        # NOTE: row 0 is always the draft's greedy chain, and its next token goes first: a tree then holds
+        # the chain that tree_width=1 would draft, and never accepts less than it with the same K.
+        first = next((c for c in candidates if c[1] == 0), None)
+        for candidate in ([first] if first else []) + candidates:
+            _, r, t, _ = candidate
+            key = (texts[r] + table[t]) if table[t] else (texts[r], t)  # same text, same target tokens
+            if key not in seen:
+                seen.add(key)
+                chosen.append(candidate)
+            if len(chosen) == width:
+                break
+        return chosen
+
+    def _sample_root(self, probs: torch.Tensor):
+        """The root's candidates drawn from the draft's (Vd,) distribution: ([(log-probability, row 0, draft id,
+        target id)] in draw order, (target ids, (Vt,) the distribution they were drawn from))."""
+        target_vocab = self.spec.target_model.config.vocab_size
+        noise = sampling.exponential_noise(probs.shape, self.draft_gen, probs.device)  # (Vd,)
+        groups, draft_ids = sampling.draw_groups_without_replacement(probs, self.root_groups, target_vocab,
+                                                                     self.config.tree_width, noise)
+        root_q = sampling.grouped_distribution(probs, self.root_groups, target_vocab)  # (Vt,)
+        scores = probs[to_device(draft_ids, probs.device)].log().tolist() if draft_ids else []
+        chosen = [(score, 0, d, g) for score, d, g in zip(scores, draft_ids, groups, strict=True)]
+        return chosen, (groups, root_q)
 
     def _tree_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's next-token probabilities that rank tree candidates: warped as the target's when sampling."""
@@ -971,12 +1027,17 @@ class _Run:
             return sampling.logits_to_probs(logits, self.warpers)
         return torch.softmax(logits.float(), dim=-1)
 
-    def _bridge_branch(self, path: list[int], eos: bool) -> list[int]:
-        """A branch's draft ids -> target ids (the same ids for one tokenizer; the text bridge otherwise)."""
+    def _bridge_branch(self, path: list[int], eos: bool, first: int | None = None) -> list[int]:
+        """A branch's draft ids -> target ids (the same ids for one tokenizer; the text bridge otherwise), starting
+        with `first` when a sampled root drew that target id for the branch."""
         if self.kind == "same-tokenizer":
             return list(path)
         eos_candidate = min(self.spec.target_eos) if eos and self.spec.target_eos else None
-        return self.sync.propose(path[:-1] if eos else path, eos_candidate)
+        if first is None:
+            return self.sync.propose(path[:-1] if eos else path, eos_candidate)
+        if first in self.spec.target_eos:  # the draft's EOS drawn at the root
+            return [first]
+        return self.sync.propose_from(first, path[:-1] if eos else path, eos_candidate)
 
     def _node_values(self, path: list[int], scores: list[float], target_ids: list[int]) -> list[float]:
         """Each target id's estimated chance of acceptance: the draft's probability of the branch up to the

@@ -103,6 +103,36 @@ def onehot_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, fir
     return (draft_probs * p_first).sum()
 
 
+def grouped_distribution(draft_probs: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """(Vd,) draft distribution and (Vd,) group of each draft id (a target id; -1: none) -> (Vt,) the
+    distribution of the group of a draft id drawn from draft_probs restricted to grouped ids (renormalised).
+    All zeros when no grouped id has mass. No host sync."""
+    grouped = draft_probs * (groups >= 0)  # (Vd,)
+    total = grouped.sum()
+    out = torch.zeros(num_groups, dtype=draft_probs.dtype, device=draft_probs.device)
+    out.index_add_(0, groups.clamp(min=0), grouped / torch.where(total > 0, total, 1.0))  # (Vt,)
+    return out
+
+
+def draw_groups_without_replacement(draft_probs: torch.Tensor, groups: torch.Tensor, num_groups: int, count: int,
+                                    noise: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Up to `count` distinct groups drawn in turn without replacement from `grouped_distribution`, each with
+    the draft id that represents it -> (group ids in draw order, their draft ids). One host transfer.
+
+    An exponential race over draft ids (key probs / noise, noise (Vd,) Exp(1)): a group's key is the largest of
+    its ids' keys, which is 1 / Exp(rate Q(group)), so the groups sorted by key are a draw without
+    replacement from Q (the Gumbel-top-k trick), and a group's best id is drawn from the draft restricted to
+    the group. Groups with no mass are never drawn."""
+    keys = torch.where(groups >= 0, draft_probs / noise, torch.zeros_like(draft_probs))  # (Vd,)
+    group_keys = torch.zeros(num_groups, dtype=keys.dtype, device=keys.device)
+    group_keys.scatter_reduce_(0, groups.clamp(min=0), keys, reduce="amax")  # (Vt,); ungrouped ids add key 0
+    top_keys, top_groups = group_keys.topk(min(count, num_groups))  # (m,)
+    ids = ((groups == top_groups[:, None]) & (keys == top_keys[:, None])).int().argmax(dim=-1)  # (m,)
+    chosen, draft_ids, drawn = torch.stack([top_groups, ids, (top_keys > 0).long()]).tolist()
+    n = sum(drawn)  # NOTE: keys > 0 come first, so the drawn groups are a prefix
+    return chosen[:n], draft_ids[:n]
+
+
 def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor | list[int]) -> tuple[int, int]:
     """(K+1, Vt) logits and (K,) proposals (a tensor or host ids) -> (num_accepted, next_token).
 

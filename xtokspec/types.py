@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
 CACHE_CHOICES = ("auto", "dynamic", "static")
+TREE_ROOTS = ("sampled", "top")  # a sampled tree's root candidates: drawn from the draft, or its likeliest ones
 # Why a generation ended: the target emitted EOS; max_new_tokens were produced; or the target's context
 # (max_position_embeddings) is full, so the target alone could not have gone on either.
 STOP_REASONS = ("eos", "length", "context")
@@ -86,6 +87,9 @@ class SpecConfig:
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
     compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
     tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
+    # sampled trees: the root's tree_width candidates drawn from the draft without replacement and tested against
+    # its distribution ("sampled"), or its likeliest ones tested one-hot ("top"); greedy trees always take the top
+    tree_root: str = "sampled"
     max_tree_nodes: int = 64  # most target-token nodes one tree verification carries
     prune_tree: bool = True  # with adaptive: verify only the drafted nodes worth their measured cost
 
@@ -103,6 +107,8 @@ class SpecConfig:
         for name in ("compile", "adaptive", "prune_tree"):
             if not isinstance(getattr(self, name), bool):
                 raise XTokSpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tree_root not in TREE_ROOTS:
+            raise XTokSpecError(f"tree_root must be one of {TREE_ROOTS}, got {self.tree_root!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
         if self.compile and self.cache == "dynamic":
@@ -140,6 +146,7 @@ class GenerationStats:
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals (tree nodes) each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
     pruned_nodes: int = 0  # token trees: drafted nodes left out of verification as not worth their cost
+    sampled_roots: int = 0  # token trees: cycles whose root candidates were drawn from the draft (tree_root)
     proposal_cycles: dict[str, int] = field(default_factory=dict)  # cycles per proposal kind (proposal="auto" mixes)
     # proposal="auto": each kind's expected accepted tokens per cycle, as the chooser last estimated them
     proposal_estimates: dict[str, float] = field(default_factory=dict)
