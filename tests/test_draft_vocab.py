@@ -141,7 +141,7 @@ def test_trimmed_draft_greedy_equals_target(tree_width, trimmed_spec, ja_target,
     assert sum(s.new_tokens for s in stats) / sum(s.target_forwards for s in stats) > 1.1
 
 
-def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe):
+def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe, monkeypatch):
     """torch 2.13's CPU bf16 linear is ~20x slower for a head weight that does not require grad
     (benchmarks/torch_linear_strided.py): XTokSpec says so, naming the model; an unfrozen one is not warned about."""
     import copy
@@ -149,7 +149,10 @@ def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe):
 
     from model_helpers import load_fixture_model
 
+    import xtokspec.models
     from xtokspec import XTokSpec
+
+    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: True)  # only the frozen head's warning
 
     model, tokenizer = load_fixture_model("ja-target")
     model = model.to(torch.bfloat16)
@@ -159,4 +162,33 @@ def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe):
         XTokSpec((model, tokenizer), draft)  # as loaded: weights require grad
     model.requires_grad_(False)
     with pytest.warns(UserWarning, match=r"target \(large\): the output head's weight does not require grad"):
+        XTokSpec((model, tokenizer), draft)
+
+
+def test_a_bf16_target_on_a_cpu_without_bf16_units_is_warned_about(ja_draft_bpe, monkeypatch):
+    """Without AVX512-BF16 or AMX a bfloat16 forward over n tokens costs ~n one-token steps (BENCHMARKS.md,
+    thirteenth session), so verification cannot pay: XTokSpec says so and names float32. A float32 target, or a
+    CPU with the units, gets no such warning."""
+    import copy
+    import warnings
+
+    from model_helpers import load_fixture_model
+
+    import xtokspec.models
+    from xtokspec import XTokSpec
+
+    model, tokenizer = load_fixture_model("ja-target")
+    if model.device.type != "cpu":
+        pytest.skip("a CPU case (XTOKSPEC_TEST_DEVICE is set)")
+    draft = (copy.deepcopy(ja_draft_bpe[0]), ja_draft_bpe[1])
+    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        XTokSpec((model, tokenizer), draft)  # float32
+    model = model.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"the target \(large\) runs in bfloat16 on a CPU without AVX512-BF16.*float32"):
+        XTokSpec((model, tokenizer), draft)
+    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         XTokSpec((model, tokenizer), draft)

@@ -41,7 +41,7 @@ from .cache import (
     takes_tree_masks,
     to_device,
 )
-from .models import DraftVocab, choose_draft_vocab, frozen_head_note, load, trimmed_draft
+from .models import DraftVocab, choose_draft_vocab, cpu_bf16_note, frozen_head_note, load, trimmed_draft
 from .types import (
     GenerationResult,
     GenerationStats,
@@ -292,6 +292,9 @@ class XTokSpec:
             note = frozen_head_note(model, role)
             if note:
                 warnings.warn(note, UserWarning, stacklevel=2)
+        note = cpu_bf16_note(self.target_model, "the target (large)")
+        if note:
+            warnings.warn(note, UserWarning, stacklevel=2)
         self.target_eos = _eos_ids(self.target_model, self.target_tokenizer)
         self.draft_eos = _eos_ids(self.draft_model, self.draft_tokenizer)
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
@@ -484,6 +487,20 @@ class XTokSpec:
             self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
         return self._first_pieces
 
+    def root_groups(self) -> torch.Tensor:
+        """(Vd,) draft id -> the target id a tree root's candidate drawn as that draft id stands for: the same id
+        for one tokenizer, else the first target token of its text (`first_pieces`), the target's EOS for the
+        draft's; -1 where none (SpecConfig.tree_root="sampled")."""
+        target_vocab = self.target_model.config.vocab_size
+        size = self.draft_model.config.vocab_size
+        if self.same_vocab:
+            groups = torch.arange(size)
+            return torch.where(groups < target_vocab, groups, -1)
+        groups = self.first_pieces.clone()
+        if self.target_eos:
+            groups[[d for d in self.draft_eos if d < size]] = min(self.target_eos)
+        return groups
+
     def draft_to_target(self, device: torch.device) -> torch.Tensor:
         """(Vd,) the token map (draft id -> target id with the same bytes, -1 where none) on `device`, built once
         per device (~50 ms from the list for a 262k vocabulary, which every sampled call needs)."""
@@ -618,11 +635,11 @@ class XTokSpec:
             return "same-tokenizer"
         if not params.do_sample:
             return "greedy-bridge"
-        if tree_width > 1:  # a tree's nodes are one-hot candidates (xtokspec/tree.py)
+        if tree_width > 1:  # a tree's root draws from the draft (tree_root), its other nodes are one-hot
             if proposal == "intersection":
                 raise XTokSpecError(
-                    f"token trees (tree_width={tree_width}) verify one-hot candidates; proposal='intersection' "
-                    "needs tree_width=1 (or use proposal='auto' / 'onehot')"
+                    f"token trees (tree_width={tree_width}) choose their own proposals (SpecConfig.tree_root); "
+                    "proposal='intersection' needs tree_width=1 (or use proposal='auto' / 'onehot')"
                 )
             return "onehot"
         return proposal  # "auto": chosen each cycle (ProposalChooser)
@@ -654,7 +671,7 @@ class _Run:
         # stands for (the first target token of its text; the target's EOS for the draft's; -1: none)
         self.root_groups = None
         if config.tree_width > 1 and params.do_sample and config.tree_root == "sampled":
-            self.root_groups = self._root_groups().to(input_device(spec.draft_model))  # (Vd,)
+            self.root_groups = spec.root_groups().to(input_device(spec.draft_model))  # (Vd,)
         if self.kind == "intersection" or self.chooser:
             self.draft_to_target = spec.draft_to_target(input_device(spec.draft_model))  # (Vd,)
             self.mapped_mask = self.draft_to_target >= 0  # (Vd,)
@@ -662,18 +679,6 @@ class _Run:
             where = self._target_logits_device()
             self.estimate_map = spec.draft_to_target(where)  # (Vd,)
             self.estimate_first = spec.first_pieces.to(where)  # (Vd,)
-
-    def _root_groups(self) -> torch.Tensor:
-        spec = self.spec
-        target_vocab = spec.target_model.config.vocab_size
-        size = spec.draft_model.config.vocab_size
-        if self.kind == "same-tokenizer":
-            groups = torch.arange(size)
-            return torch.where(groups < target_vocab, groups, -1)
-        groups = spec.first_pieces.clone()
-        if spec.target_eos:
-            groups[[d for d in spec.draft_eos if d < size]] = min(spec.target_eos)
-        return groups
 
     @staticmethod
     def _generator(model, seed: int) -> torch.Generator:

@@ -109,6 +109,27 @@ def frozen_head_note(model, role: str) -> str | None:
             "xtokspec needs no gradients and runs under torch.inference_mode")
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16 or AMX): without either, torch's
+    bfloat16 linear costs each row of its input about what one row alone costs (measured on an AVX2 EPYC:
+    1.4 ms for 1 row, 10.5 ms for 8 at 1536x8960; float32 2.4 and 6.8 ms; BENCHMARKS.md)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def cpu_bf16_note(model, role: str) -> str | None:
+    """A warning's text when the target verifies in bfloat16 on a CPU without bfloat16 matrix units: there a
+    forward over n tokens costs about n one-token steps, so verifying several drafted tokens at once saves
+    nothing (the real pair ran at 0.5-0.6x the target alone; BENCHMARKS.md, "Thirteenth session")."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or cpu_has_bf16_matmul():
+        return None
+    return (f"{role} runs in bfloat16 on a CPU without AVX512-BF16 or AMX: here torch's bfloat16 matrix products "
+            "cost each token of a forward about a one-token step, so verifying drafts cannot be faster than the "
+            "target alone (measured 0.5-0.6x). Load the models in float32 on this CPU (dtype=torch.float32; "
+            "CLI: --dtype float32)")
+
+
 # ---------------------------------------------------------------- the draft's output head, trimmed
 class TrimmedHead(torch.nn.Module):
     """Replaces a draft's output head: logits for the `keep` ids only (one matmul over those rows), scattered into
