@@ -120,14 +120,15 @@ def cpu_has_bf16_matmul() -> bool:
 def cpu_bf16_note(model, role: str) -> str | None:
     """A warning's text when the target verifies in bfloat16 on a CPU without bfloat16 matrix units: there a
     forward over n tokens costs about n one-token steps, so verifying several drafted tokens at once saves
-    nothing (the real pair ran at 0.5-0.6x the target alone; BENCHMARKS.md, "Thirteenth session")."""
+    nothing (the real pair ran at 0.3-0.65x the target alone; BENCHMARKS.md, "Sampled tree roots")."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or cpu_has_bf16_matmul():
         return None
     return (f"{role} runs in bfloat16 on a CPU without AVX512-BF16 or AMX: here torch's bfloat16 matrix products "
             "cost each token of a forward about a one-token step, so verifying drafts cannot be faster than the "
-            "target alone (measured 0.5-0.6x). Load the models in float32 on this CPU (dtype=torch.float32; "
-            "CLI: --dtype float32)")
+            "target alone (measured 0.3-0.65x on an AVX2-only CPU; float32 measured 0.5-0.6x there too, its "
+            "products only flattening past ~5 tokens). Speculative decoding needs a CPU with bfloat16 units or a "
+            "GPU (BENCHMARKS.md, 'Sampled tree roots')")
 
 
 # ---------------------------------------------------------------- the draft's output head, trimmed
