@@ -22,8 +22,8 @@ import reference.tree as reference_tree
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 18  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 5.0e-5
+NUM_TESTS = 19  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 4.7e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -755,6 +755,73 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
     print(f"trimmed head (mass dropped at the first / second proposal: {dropped[0]:.2f} / {dropped[1]:.2f}; "
           f"N={TRIM_RUNS}): p={result.pvalue:.3g}, deep share {deep_share:.2f}; "
           f"draws-trimmed-q-full control p={control.pvalue:.3g}")
+
+
+# ---------------------------------------------------------------- F. target-alone cycles between drafted ones
+# SpecConfig.fallback runs cycles of the target alone where drafting does not pay, chosen from wall-clock
+# timings; here the choice is scripted (D A D A ...: one target-alone cycle after each drafted one) so that the
+# law is tested on a fixed interleaving. ALONE_LENGTH = 4 new tokens with K = 3: a first cycle that accepts
+# little is followed by a target-alone cycle and then a drafted cycle whose proposals come from the caught-up
+# draft (the exact law has 3^4 = 81 continuations). The test asserts that enough runs reach such a cycle. The
+# negative control samples the target-alone cycles from the target's raw distribution (temperature 1, no top-k:
+# the warpers forgotten), which only those cycles see.
+ALONE_CASE = ("dynamic", "intersection", "t1.0-k3")
+ALONE_LENGTH = 4
+ALONE_RUNS = 600  # the control fails at p < 1e-300 with N=1000; 600 keeps CI inside its budget
+MIN_AFTER_ALONE_SHARE = 0.3  # runs with a drafted cycle carrying proposals right after a target-alone one
+
+
+def drafted_then_alone(self) -> bool:
+    return self.cycles >= 1 and self.since_draft < 1
+
+
+def unwarped_alone(alone_cycle):
+    """WRONG: a target-alone cycle samples the target's raw softmax, without the temperature and top-k."""
+
+    def flawed(self, target, remaining):
+        warpers, self.warpers = self.warpers, sampling.build_warpers(SamplingParams(do_sample=True))
+        try:
+            return alone_cycle(self, target, remaining)
+        finally:
+            self.warpers = warpers
+
+    return flawed
+
+
+def sample_with_alone_cycles(spec, prompt, runs):
+    """-> (continuations, share of runs with a drafted cycle that proposed right after a target-alone one)."""
+    samples, after = [], 0
+    for seed in range(runs):
+        result = spec.generate(prompt, max_new_tokens=ALONE_LENGTH, do_sample=True, seed=seed,
+                               proposal=ALONE_CASE[1], num_draft_tokens=NUM_DRAFT_TOKENS, adaptive=False,
+                               **SETTINGS[ALONE_CASE[2]])
+        samples.append(tuple(result.token_ids))
+        lengths = result.stats.proposal_lengths
+        # NOTE: a cycle with no proposals before the last is a target-alone one (a drafted cycle proposes
+        # nothing only when one token remains)
+        after += any(before == 0 and n > 0 for before, n in zip(lengths, lengths[1:], strict=False))
+    return samples, after / runs
+
+
+@pytest.mark.stats
+@pytest.mark.slow
+@pytest.mark.fallback
+def test_end_to_end_sampling_with_target_alone_cycles_matches_target(bridged_spec, ja_target, monkeypatch):
+    from xtokspec import decode
+
+    prompt = PROMPTS[ALONE_CASE[1:]]
+    params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[ALONE_CASE[2]])
+    exact = exact_continuations(*ja_target, prompt, params, ALONE_LENGTH, bridged_spec.target_eos)
+    monkeypatch.setattr(decode.DraftLengthPolicy, "run_alone", drafted_then_alone)
+    samples, after = sample_with_alone_cycles(bridged_spec, prompt, ALONE_RUNS)
+    assert after >= MIN_AFTER_ALONE_SHARE, f"only {after:.0%} of runs drafted after a target-alone cycle"
+    result = reference.assert_samples_match(samples, exact, ALPHA, "target-alone cycles")
+    with monkeypatch.context() as patch:
+        patch.setattr(decode._Run, "_alone_cycle", unwarped_alone(decode._Run._alone_cycle))
+        wrong, _ = sample_with_alone_cycles(bridged_spec, prompt, ALONE_RUNS)
+    control = control_rejected(wrong, exact, "target-alone cycles without the warpers")
+    print(f"target-alone cycles (N={ALONE_RUNS}): p={result.pvalue:.3g}, drafted-after-alone share {after:.2f}; "
+          f"unwarped control p={control.pvalue:.3g}")
 
 
 def _statistical_test_count() -> int:

@@ -10,7 +10,10 @@ One cycle (Leviathan et al. 2023, Algorithm 1, with a text bridge in the middle)
      bytes agree with it and re-encodes only the rest).
 Invariant after every cycle: the target's ids are exactly what it would have produced alone (greedy: equal
 ids; sampling: equal distribution), and the draft's context is the committed text up to its last complete
-character.
+character (once it has caught up with the target-alone cycles, below).
+
+Where drafting does not pay (a weak draft, or hardware on which verifying n tokens costs ~n steps), the
+policy runs cycles of the target alone, one token each, and keeps probing drafting (SpecConfig.fallback).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Iterator
@@ -85,6 +89,19 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
+@dataclasses.dataclass
+class DraftingCost:
+    """What drafting has cost per committed token (decayed sums over measured drafted cycles) for one setting of
+    one XTokSpec, and the fallback's probing schedule (DraftLengthPolicy.run_alone). Shared by the generations
+    with that setting, so that a generation after the first starts from what the earlier ones measured (the
+    costs are the models' and the device's; the acceptance is the pair's, on similar text)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    cycles: int = 0
+    alone_run: int = 2  # target-alone cycles before the next drafted probe (DraftLengthPolicy.PROBE_DRAFT_FIRST)
+
+
 class DraftLengthPolicy:
     """Chooses K each cycle to maximise expected committed tokens per second from measured costs.
 
@@ -100,8 +117,14 @@ class DraftLengthPolicy:
     """
 
     SIZE_SAMPLES = 8  # recent verification times kept per captured trie size
+    ALONE_SAMPLES = 8  # recent target-alone cycle times kept (SpecConfig.fallback)
+    PROBE_ALONE_EVERY = 64  # drafted cycles between two target-alone cycles while drafting pays
+    # target-alone cycles between two drafted ones while drafting does not pay: 2 at first, doubled after each
+    # drafted probe that loses too (a choice made on a few early cycles is soon tested again), at most 16
+    PROBE_DRAFT_FIRST, PROBE_DRAFT_MAX = 2, 16
 
-    def __init__(self, config: SpecConfig, decay: float = 0.9, size_times: dict | None = None):
+    def __init__(self, config: SpecConfig, decay: float = 0.9, size_times: dict | None = None,
+                 alone_times: collections.deque | None = None, drafting: DraftingCost | None = None):
         self.config = config
         self.decay = decay
         self.k = config.num_draft_tokens
@@ -117,6 +140,14 @@ class DraftLengthPolicy:
         # captured tree verification: nodes a bucket carries -> its recent verification seconds (shared between
         # the generations of one XTokSpec: the costs are the models' and the device's, not the prompt's)
         self.size_times = {} if size_times is None else size_times
+        # SpecConfig.fallback: drafting vs the target alone, each arm's measured seconds per committed token. A
+        # drafted cycle's seconds are all of it (draft, bridge, verification, commit) over the tokens it commits;
+        # the target alone commits one token per cycle, whose recent times are shared like size_times.
+        self.alone_times = collections.deque(maxlen=self.ALONE_SAMPLES) if alone_times is None else alone_times
+        self.drafting = DraftingCost(alone_run=self.PROBE_DRAFT_FIRST) if drafting is None else drafting
+        self.since_draft = 0  # target-alone cycles since the last drafted one
+        self.since_alone = 0  # drafted cycles since the last target-alone one
+        self.probing = False  # the last drafted cycle was a probe
 
     def update(self, drafted: int, proposed: int, accepted: int, draft_s: float, verify_s: float | None,
                nodes: int | None = None, rejected: bool | None = None, size: int | None = None) -> None:
@@ -149,6 +180,51 @@ class DraftLengthPolicy:
             m = float(nodes)
             for i, v in enumerate((1.0, m, m * m, verify_s, m * verify_s)):
                 self.verify[i] = d * self.verify[i] + v
+
+    def record(self, committed: int, seconds: float, alone: bool) -> None:
+        """One measured cycle (not the first, which also fed the prompt) for the fallback: the tokens it
+        committed and its seconds, from start to commit; `alone`: it ran the target alone."""
+        if alone:
+            self.alone_times.append(seconds)
+            self.since_draft += 1
+            self.since_alone = 0
+            return
+        d, cost = self.decay, self.drafting
+        cost.tokens = d * cost.tokens + committed
+        cost.seconds = d * cost.seconds + seconds
+        cost.cycles += 1
+        self.since_draft = 0
+        self.since_alone += 1
+
+    def run_alone(self) -> bool:
+        """Whether the next cycle runs the target alone (SpecConfig.fallback, with adaptive).
+
+        A two-armed choice by measured seconds per committed token. Drafting goes first; after 3 measured
+        drafted cycles, one target-alone cycle measures a target step if none is known yet (the times are
+        shared by the generations of one XTokSpec: a step costs what the model and device make it) and again
+        after every PROBE_ALONE_EVERY drafted cycles. Then the cheaper arm runs, except that a run of target-
+        alone cycles gives way to one drafted cycle (a probe, so that drafting is measured again as the text
+        and its acceptance change) after `alone_run` of them: PROBE_DRAFT_FIRST, doubled after each probe that
+        leaves the target alone cheaper, up to PROBE_DRAFT_MAX, and back to the first once drafting wins. The
+        drafting costs and the schedule carry over between generations with the same settings (DraftingCost):
+        a later generation may start with the target alone. Each arm's output is the target's own, so the
+        choice costs speed at worst, never correctness: it is made before the cycle from earlier cycles'
+        timings only."""
+        cost = self.drafting
+        if not (self.config.adaptive and self.config.fallback) or cost.cycles < 3:
+            return False
+        if not self.alone_times or self.since_alone >= self.PROBE_ALONE_EVERY:
+            return True
+        if 0 < self.since_draft and self.since_draft >= cost.alone_run:
+            self.probing = True
+            return False
+        alone = statistics.median(self.alone_times) * cost.tokens < cost.seconds
+        if self.probing and self.since_draft == 0:  # the probe has been measured
+            self.probing = False
+            cost.alone_run = min(2 * cost.alone_run, self.PROBE_DRAFT_MAX) if alone else self.PROBE_DRAFT_FIRST
+        elif not alone:
+            cost.alone_run = self.PROBE_DRAFT_FIRST
+        return alone
 
     def _verify_cost(self, m: float) -> float:
         """Verification seconds for m proposals (nodes): a least-squares line over recent cycles. Its slope is
@@ -306,6 +382,8 @@ class XTokSpec:
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
         self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
         self._tree_size_times: dict = {}  # captured tree verification costs per size (DraftLengthPolicy)
+        self._alone_times = collections.deque(maxlen=DraftLengthPolicy.ALONE_SAMPLES)  # target-alone cycle seconds
+        self._drafting_costs: dict[tuple, DraftingCost] = {}  # per setting (config, sampling, kind): SpecConfig.fallback
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
@@ -650,7 +728,12 @@ class _Run:
 
     def __init__(self, spec: XTokSpec, params: SamplingParams, config: SpecConfig, kind: str, stats: GenerationStats):
         self.spec, self.params, self.kind, self.stats = spec, params, kind, stats
-        self.policy = DraftLengthPolicy(config, size_times=spec._tree_size_times)
+        setting = (config, dataclasses.replace(params, seed=None), kind)
+        drafting = spec._drafting_costs.setdefault(setting, DraftingCost(alone_run=DraftLengthPolicy.PROBE_DRAFT_FIRST))
+        self.policy = DraftLengthPolicy(config, size_times=spec._tree_size_times, alone_times=spec._alone_times,
+                                        drafting=drafting)
+        self.unsynced: list[int] = []  # ids committed by target-alone cycles that the draft has not seen yet
+        self.catch_up_s = 0.0  # seconds _catch_up spent, charged to the next drafted cycle
         self.config = config
         self.min_confidence = config.draft_confidence
         self.warpers = sampling.build_warpers(params) if params.do_sample else None
@@ -700,9 +783,13 @@ class _Run:
         try:
             while produced < max_new_tokens:
                 remaining = max_new_tokens - produced
-                k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
-                cycle = self._tree_cycle if self.config.tree_width > 1 else self._chain_cycle
-                new_ids = cycle(target, draft, k, remaining)
+                if self.policy.run_alone():
+                    new_ids = self._alone_cycle(target, remaining)
+                else:
+                    self._catch_up(draft)
+                    k = min(self.policy.next_k(), remaining - 1, self.draft_limit - len(draft.ids) - 1)
+                    cycle = self._tree_cycle if self.config.tree_width > 1 else self._chain_cycle
+                    new_ids = cycle(target, draft, k, remaining)
                 produced += len(new_ids)
                 stop = self._finish(new_ids, produced, max_new_tokens, target, start)  # stats complete before the yield
                 yield new_ids
@@ -736,6 +823,28 @@ class _Run:
         self._account(len(drafted), len(proposals), num_accepted, len(new_ids), t1 - t0, (t2 - t1) + (t4 - t3), t3 - t2,
                       prefill=prefill, kind=used)
         return new_ids
+
+    def _alone_cycle(self, target: ModelState, remaining: int) -> list[int]:
+        """One target step with no draft (SpecConfig.fallback) -> the committed id. The draft is not fed: the
+        ids wait in `unsynced` until a drafted cycle needs the draft again (`_catch_up`)."""
+        t0 = time.perf_counter()
+        prefill = len(target.ids) - target.cached > 1
+        _, next_token, _ = self._verify(target, [], None)  # no proposals: the target's own next token
+        target.ids.append(next_token)
+        new_ids = self._committed([next_token], remaining)
+        self.unsynced += new_ids
+        self.stats.alone_cycles += 1
+        self._account(0, 0, 0, len(new_ids), 0.0, 0.0, time.perf_counter() - t0, prefill=prefill, kind="alone")
+        return new_ids
+
+    def _catch_up(self, draft: ModelState) -> None:
+        """Commit the target-alone cycles' ids to the draft's context (its forward feeds them when it next
+        drafts); the time counts as the next drafted cycle's bridge time."""
+        if self.unsynced:
+            t0 = time.perf_counter()
+            self._resync(draft, [], self.unsynced)
+            self.unsynced = []
+            self.catch_up_s = time.perf_counter() - t0
 
     def _committed(self, new_ids: list[int], remaining: int) -> list[int]:
         """A cycle's accepted tokens plus its next token, cut after the first EOS and at `remaining`."""
@@ -774,7 +883,14 @@ class _Run:
         s.draft_lengths.append(drafted)
         s.proposal_lengths.append(proposed if nodes is None else nodes)
         s.accepted_lengths.append(accepted)
-        self.policy.update(drafted, proposed, accepted, draft_s, None if prefill else verify_s, nodes, rejected, size)
+        alone = kind == "alone"
+        if not alone:
+            bridge_s += self.catch_up_s
+            s.bridge_seconds += self.catch_up_s
+            self.catch_up_s = 0.0
+            self.policy.update(drafted, proposed, accepted, draft_s, None if prefill else verify_s, nodes, rejected, size)
+        if not prefill:
+            self.policy.record(committed, draft_s + bridge_s + verify_s, alone)
 
     # ---------------------------------------------------------------- 1. draft
     def _draft(self, draft: ModelState, k: int) -> tuple[list[int], list[torch.Tensor], bool]:

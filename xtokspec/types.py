@@ -92,6 +92,9 @@ class SpecConfig:
     tree_root: str = "sampled"
     max_tree_nodes: int = 64  # most target-token nodes one tree verification carries
     prune_tree: bool = True  # with adaptive: verify only the drafted nodes worth their measured cost
+    # with adaptive: run the target alone (no draft) while the measured seconds per committed token say drafting
+    # does not pay on this hardware, with a drafted cycle every few to notice when it does again
+    fallback: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -104,7 +107,7 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
-        for name in ("compile", "adaptive", "prune_tree"):
+        for name in ("compile", "adaptive", "prune_tree", "fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise XTokSpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.tree_root not in TREE_ROOTS:
@@ -147,6 +150,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
     pruned_nodes: int = 0  # token trees: drafted nodes left out of verification as not worth their cost
     sampled_roots: int = 0  # token trees: cycles whose root candidates were drawn from the draft (tree_root)
+    alone_cycles: int = 0  # cycles that ran the target alone: drafting did not pay, as measured (SpecConfig.fallback)
     proposal_cycles: dict[str, int] = field(default_factory=dict)  # cycles per proposal kind (proposal="auto" mixes)
     # proposal="auto": each kind's expected accepted tokens per cycle, as the chooser last estimated them
     proposal_estimates: dict[str, float] = field(default_factory=dict)
@@ -184,6 +188,7 @@ class GenerationStats:
             f"{self.tokens_per_cycle:.2f} tokens/call); accepted {self.accepted}/{self.drafted} "
             f"({self.acceptance_rate:.0%}; per-token alpha {self.token_acceptance:.2f}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
             f"verify {self.verify_seconds:.2f}s"
+            + (f"; {self.alone_cycles} cycles ran the target alone (fallback)" if self.alone_cycles else "")
         )
 
 

@@ -1,0 +1,228 @@
+"""The fallback to the target alone (SpecConfig.fallback): where drafting does not pay, cycles run the target
+alone and drafting is probed now and then.
+
+What must hold: the choice follows the measured seconds per token (policy units, with made-up timings); greedy
+output stays the target's own whatever the pattern of drafted and target-alone cycles; after target-alone
+cycles the draft's context is caught up to the committed text before it drafts again; and with real timings the
+fallback engages where the draft is made slow and stays off where drafting pays (the models' forwards are
+slowed with sleeps large enough that the machine's load cannot flip the choice). The sampled law with
+target-alone cycles is checked in test_stats.py (D3).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from xtokspec import SpecConfig, XTokSpec
+from xtokspec.bridge import utf8_valid_prefix_len
+from xtokspec.decode import DraftLengthPolicy, _Run
+
+pytestmark = pytest.mark.fallback
+
+NEW_TOKENS = 40
+
+
+def policy(**config) -> DraftLengthPolicy:
+    return DraftLengthPolicy(SpecConfig(**config))
+
+
+def drafted(p: DraftLengthPolicy, cycles: int, tokens: int, seconds: float) -> None:
+    for _ in range(cycles):
+        p.update(3, 3, tokens - 1, seconds / 2, seconds / 2)
+        p.record(tokens, seconds, alone=False)
+
+
+def test_policy_drafts_first_then_measures_a_target_step():
+    p = policy()
+    for _ in range(3):
+        assert not p.run_alone()  # nothing measured: draft
+        drafted(p, 1, 2, 0.030)
+    assert p.run_alone()  # 3 drafted cycles measured, no target step yet: measure one
+
+
+def test_policy_runs_the_target_alone_while_it_is_cheaper_per_token_and_probes_drafting_ever_more_rarely():
+    p = policy()
+    drafted(p, 3, 2, 0.030)  # 15 ms a token drafting
+    pattern = ""
+    for _ in range(50):
+        alone = p.run_alone()
+        pattern += "A" if alone else "D"
+        if alone:
+            p.record(1, 0.010, alone=True)  # 10 ms a token alone
+        else:
+            drafted(p, 1, 2, 0.030)
+    # the first A measures a step; then runs of 2, 4, 8, 16 (PROBE_DRAFT_MAX), 16, ... between drafted probes
+    assert pattern == "AA" + "D" + "A" * 4 + "D" + "A" * 8 + "D" + "A" * 16 + "D" + "A" * 16
+
+
+def test_policy_keeps_drafting_while_it_pays_and_measures_the_target_again_rarely():
+    p = policy()
+    drafted(p, 3, 3, 0.015)  # 5 ms a token drafting
+    assert p.run_alone()
+    p.record(1, 0.010, alone=True)  # 10 ms a token alone
+    pattern = []
+    for _ in range(2 * DraftLengthPolicy.PROBE_ALONE_EVERY + 2):
+        alone = p.run_alone()
+        pattern.append(alone)
+        p.record(1, 0.010, alone=True) if alone else drafted(p, 1, 3, 0.015)
+    every = DraftLengthPolicy.PROBE_ALONE_EVERY
+    assert [i for i, alone in enumerate(pattern) if alone] == [every, 2 * every + 1]
+
+
+def test_policy_switches_back_when_a_probe_finds_drafting_cheaper_and_probes_early_again_later():
+    p = policy()
+    drafted(p, 3, 2, 0.030)
+    pattern = ""
+    for cycle in range(40):
+        alone = p.run_alone()
+        pattern += "A" if alone else "D"
+        if alone:
+            p.record(1, 0.010, alone=True)
+        elif cycle < 8:  # the text got easy: drafted cycles commit 12 tokens in 30 ms, 2.5 ms a token
+            drafted(p, 1, 12, 0.030)
+        else:  # and hard again
+            drafted(p, 1, 1, 0.030)
+    assert pattern.startswith("AAD" + "DDDDD")  # one probe that wins is enough (the decayed sums follow it)
+    assert "DAAD" in pattern[8:]  # once drafting loses again, the first run of target-alone cycles is 2 long
+
+
+@pytest.mark.parametrize("config", [dict(fallback=False), dict(adaptive=False)], ids=["fallback-off", "fixed-k"])
+def test_policy_never_runs_alone_when_switched_off(config):
+    p = policy(**config)
+    drafted(p, 10, 1, 0.100)
+    p.record(1, 0.001, alone=True)
+    assert not p.run_alone()
+
+
+def test_spec_config_checks_fallback():
+    with pytest.raises(ValueError, match="fallback must be True or False"):
+        SpecConfig(fallback="yes")
+
+
+# ---------------------------------------------------------------- scripted patterns on the fixture models
+def every_third_drafts(self) -> bool:
+    """D A A D A A ...: after each drafted cycle, two target-alone ones (since_draft counts them)."""
+    return self.cycles >= 1 and self.since_draft < 2
+
+
+def alternate(self) -> bool:
+    """D A D A ..."""
+    return self.cycles >= 1 and self.since_draft < 1
+
+
+PATTERNS = {"DAA": every_third_drafts, "DA": alternate}
+
+
+def target_greedy(target, prompt: str, n: int) -> list[int]:
+    model, tokenizer = target
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def check_caught_up(monkeypatch, spec: XTokSpec) -> list[int]:
+    """Wrap the drafted cycles: at each one's start the draft's context must be the committed text (same ids for
+    one tokenizer; otherwise the same bytes, up to the last complete character). -> a list that counts them."""
+    checked = []
+    cycles = _Run.cycles
+
+    def remember_prompt(self, target_ids, draft_ids, max_new_tokens):
+        self.test_prompt_len = len(target_ids)
+        return cycles(self, target_ids, draft_ids, max_new_tokens)
+
+    def checking(cycle):
+        def run(self, target, draft, k, remaining):
+            committed = spec.target.bytes_of(target.ids[self.test_prompt_len:])
+            if self.kind == "same-tokenizer":
+                assert draft.ids == target.ids
+            else:
+                context = spec.draft.bytes_of(draft.ids[self.draft_prompt_len:])
+                assert context == committed[: utf8_valid_prefix_len(committed)]
+            checked.append(len(target.ids))
+            return cycle(self, target, draft, k, remaining)
+        return run
+
+    monkeypatch.setattr(_Run, "cycles", remember_prompt)
+    monkeypatch.setattr(_Run, "_chain_cycle", checking(_Run._chain_cycle))
+    monkeypatch.setattr(_Run, "_tree_cycle", checking(_Run._tree_cycle))
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("system", ["bridged", "same-tokenizer", "bridged-tree4"])
+def test_interleaved_target_alone_cycles_decode_what_the_target_does(system, pattern, bridged_spec, same_spec,
+                                                                      ja_target, heldout_prompts, monkeypatch):
+    spec = same_spec if system == "same-tokenizer" else bridged_spec
+    extra = {"tree_width": 4} if system.endswith("tree4") else {}
+    monkeypatch.setattr(DraftLengthPolicy, "run_alone", PATTERNS[pattern])
+    checked = check_caught_up(monkeypatch, spec)
+    runs = {"DAA": 2, "DA": 1}[pattern]  # target-alone cycles after each drafted one
+    accepted_after_alone = 0
+    for prompt in heldout_prompts[:4]:
+        result = spec.generate(prompt, max_new_tokens=NEW_TOKENS, **extra)
+        assert result.token_ids == target_greedy(ja_target, prompt, NEW_TOKENS), prompt
+        stats = result.stats
+        drafted = stats.target_forwards - stats.alone_cycles
+        assert stats.alone_cycles >= runs * (drafted - 1) and stats.alone_cycles > 0  # the pattern ran
+        assert sum(stats.proposal_cycles.values()) == stats.target_forwards == len(stats.proposal_lengths)
+        accepted_after_alone += sum(a for n, a, before in zip(stats.proposal_lengths[1:], stats.accepted_lengths[1:],
+                                                               stats.proposal_lengths[:-1], strict=True) if n and not before)
+    assert checked  # drafted cycles were checked
+    assert accepted_after_alone > 0  # drafts made after a catch-up were accepted: the draft followed the text
+
+
+@pytest.mark.slow
+def test_stream_matches_generate_with_target_alone_cycles(bridged_spec, heldout_prompts, monkeypatch):
+    monkeypatch.setattr(DraftLengthPolicy, "run_alone", every_third_drafts)
+    prompt = heldout_prompts[5]
+    result = bridged_spec.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert "".join(bridged_spec.stream(prompt, max_new_tokens=NEW_TOKENS)) == result.text
+    assert result.stats.alone_cycles > 0
+
+
+# ---------------------------------------------------------------- real timings, slowed on purpose
+def slowed(monkeypatch, model, seconds: float) -> None:
+    forward = model.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+
+
+@pytest.mark.slow
+def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft_bpe, heldout_prompts,
+                                                             monkeypatch):
+    """A draft step made to cost 40 ms (a target step is ~7 ms here): every drafted cycle costs more per token
+    than a target step, so most cycles run the target alone, and the output is still the target's. A second
+    generation with the same settings starts with the target alone."""
+    spec = XTokSpec(ja_target, ja_draft_bpe)
+    slowed(monkeypatch, ja_draft_bpe[0], 0.040)
+    prompt = heldout_prompts[1]
+    stats = spec.generate(prompt, max_new_tokens=NEW_TOKENS).stats
+    assert stats.alone_cycles >= stats.target_forwards / 2, stats.summary()
+    again = spec.generate(prompt, max_new_tokens=NEW_TOKENS)  # the same settings: it starts where the first ended
+    assert again.token_ids == target_greedy(ja_target, prompt, NEW_TOKENS)
+    assert again.stats.proposal_lengths[0] == 0 and again.stats.alone_cycles > stats.alone_cycles, again.stats.summary()
+    sampled = spec.generate(prompt, max_new_tokens=4, do_sample=True, seed=0)  # other settings: measured anew
+    assert sampled.stats.proposal_lengths[0] > 0
+    off = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(fallback=False)).generate(prompt, max_new_tokens=8)
+    assert off.stats.alone_cycles == 0
+
+
+@pytest.mark.slow
+def test_fallback_stays_off_where_drafting_pays(ja_target, ja_draft_same, heldout_prompts, monkeypatch):
+    """A target step made to cost 60 ms whatever it verifies, the draft left fast: a drafted cycle commits more
+    than one token for little more than a step, so the target alone runs only as the measuring probe and at most
+    one shortest run (the first drafted cycles of this prompt accept little)."""
+    spec = XTokSpec(ja_target, ja_draft_same)
+    slowed(monkeypatch, ja_target[0], 0.060)
+    result = spec.generate(heldout_prompts[11], max_new_tokens=NEW_TOKENS)
+    assert result.stats.tokens_per_cycle > 1.2  # drafting pays on this prompt (checked before the claim below)
+    assert result.stats.alone_cycles <= 1 + DraftLengthPolicy.PROBE_DRAFT_FIRST, result.stats.summary()
