@@ -140,13 +140,17 @@ def sampling_kwargs(mode: str) -> dict:
 
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
-                  spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None, spec_tree_top=None) -> dict:
+                  spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None, spec_tree_top=None,
+                  spec_always=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
     (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified.
     `spec_tree_top` (SpecConfig(tree_root="top")) adds a `-tree{m}-top` system beside each sampled tree: the
     draft's likeliest root candidates, one-hot, instead of candidates drawn from it.
     `spec_trim` (the bridged draft with a trimmed output head, XTokSpec.trim_draft_vocab) adds a `-trim` twin of
-    the bridged greedy chain, the auto sampler and each tree."""
+    the bridged greedy chain, the auto sampler and each tree.
+    `spec_always` ({"same": ..., "cross": ...}, SpecConfig(fallback=False)) adds an `-always` twin of each
+    xtokspec chain and tree that never runs the target alone: the drafting systems as they were before the
+    fallback, paired against the default."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
 
@@ -168,7 +172,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         def run(prompt, n, seed):
             result = spec.generate(prompt, max_new_tokens=n, seed=seed, **kw, **extra)
             return result.token_ids, result.stats
-        run.spec, run.tree_width = spec, extra.get("tree_width", 1)  # what --compile warms up
+        run.spec, run.tree_width, run.extra = spec, extra.get("tree_width", 1), extra  # what --compile warms up
         return run
 
     systems = {"target": hf()}
@@ -213,18 +217,24 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             for label, (pair, spec) in (spec_extra or {}).items():
                 systems[f"hf-universal-{label}"] = hf(pair, universal=True)
                 systems[f"xtokspec-bridged-{label}"] = ours(spec)
+    if spec_always:  # the twins of the chains and trees above (not of -fixed-k, -static, -all, -top, -trim)
+        for name, fn in list(systems.items()):
+            role = "same" if name.startswith("xtokspec-same") else "cross"
+            if (getattr(fn, "spec", None) in (spec_same, spec_cross) and not name.endswith(("-fixed-k", "-static"))
+                    and spec_always.get(role)):
+                systems[name + "-always"] = ours(spec_always[role], **fn.extra)
     return systems
 
 
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
                   tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
-                  compile: bool = False, tree_top: bool = False) -> list[Run]:
+                  compile: bool = False, tree_top: bool = False, always_draft: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
     `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system with SpecConfig(compile=True)
     (static caches, so no separate `-static` systems), each compiled for the longest prompt before any is timed
-    (`XTokSpec.warmup`)."""
+    (`XTokSpec.warmup`). `always_draft`: the `-always` twins (build_systems)."""
     from tqdm.auto import tqdm
 
     from .decode import XTokSpec, _eos_ids
@@ -245,6 +255,9 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                      if tree_unpruned and models.draft_cross else None)
     spec_tree_top = (XTokSpec(models.target, models.draft_cross, config=config(tree_root="top"))
                      if tree_top and models.draft_cross else None)
+    spec_always = {} if not always_draft else {
+        role: XTokSpec(models.target, pair, config=config(fallback=False))
+        for role, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     spec_trim = None
     if draft_vocab and models.draft_cross:
         spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
@@ -260,7 +273,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
     every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
-                              spec_tree_all, spec_trim, spec_tree_top) for m in modes}
+                              spec_tree_all, spec_trim, spec_tree_top, spec_always) for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
@@ -415,9 +428,18 @@ PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
 
 def tree_pairs(names) -> list[tuple[str, str]]:
     """Each token-tree system against the chains it competes with: the same draft's chains (greedy; one-hot,
-    intersection and auto sampling) and the same-tokenizer chain."""
+    intersection and auto sampling) and the same-tokenizer chain; each `-always` twin against its default, and
+    always-drafting trees against always-drafting chains."""
     out = []
     for name in names:
+        if name.endswith("-always"):  # always drafting: against the default (fallback) twin, and trees vs chains
+            twin = name.removesuffix("-always")
+            out.append((twin, name))
+            if "-tree" in twin and not twin.endswith(("-all", "-top", "-trim")):
+                base = twin.rsplit("-tree", 1)[0]
+                out += [(name, f"{base}{kind}-always") for kind in ("", "-intersection", "-onehot", "-auto")]
+                out.append((name, "xtokspec-same-always"))
+            continue
         if "-tree" not in name:
             continue
         base, shape = name.rsplit("-tree", 1)
@@ -589,7 +611,7 @@ def main_bench(args: argparse.Namespace) -> int:
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
                          tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration,
-                         compile=args.compile, tree_top=args.tree_top)
+                         compile=args.compile, tree_top=args.tree_top, always_draft=args.always_draft)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "compile": args.compile,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -618,6 +640,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--tree-top", action="store_true",
                        help="beside each tree system, in sampled modes, the same tree with the draft's likeliest root "
                             "candidates tested one-hot instead of candidates drawn from it (-tree{W}-top)")
+    bench.add_argument("--always-draft", action="store_true",
+                       help="beside each xtokspec chain and tree, the same system with SpecConfig(fallback=False): it "
+                            "drafts every cycle even where the target alone is measured faster (-always)")
     bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="add -trim systems: the bridged draft's output head trimmed to the N ids most frequent in "
                             "calibration text (--calibration, or by default the fixtures' held-out Japanese and "

@@ -104,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
         adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, tree_root=args.tree_root,
-        cache=args.cache, compile=args.compile,
+        cache=args.cache, compile=args.compile, fallback=not args.always_draft,
     )
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                      help="draft tokens per cycle at the start (adaptive K changes it from measured costs)")
     gen.add_argument("--fixed-k", action="store_true", help="always draft --num-draft-tokens (no adaptive K)")
+    gen.add_argument("--always-draft", action="store_true",
+                     help="draft every cycle, even where the target alone is measured faster per token (by default "
+                     "such cycles run the target alone, and drafting is probed now and then; see README)")
     gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
                      help="token trees: drafted candidates kept at each depth, verified in one target call "
                      "(1: a single chain)")
