@@ -12,6 +12,7 @@ from model_helpers import tiny_llama, tiny_neox
 
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
 from xtokspec.cache import COMPILE_BUCKETS
+from xtokspec.decode import DraftLengthPolicy
 
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
 
@@ -190,13 +191,15 @@ def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tin
                     config=SpecConfig(compile=True, tree_width=tree_width))
     caplog.set_level(logging.INFO, logger="xtokspec")
     shapes = spec.warmup("ファイルシステムをマウントするには", max_new_tokens=16, progress=False)
-    # the draft's 6 buckets and the target's 6 (chain, or tree-masked); with trees also the draft's 2 level widths
-    # and keep_path's 6 move lengths
-    assert shapes == 12 + (2 + 6 if tree_width == 2 else 0)
+    # the draft's 6 buckets and the target's 6 (chain, or tree-masked); with trees also the draft's 2 level widths,
+    # keep_path's 6 move lengths and the one-id chain step of the target-alone cycles (SpecConfig.fallback)
+    assert shapes == 12 + (2 + 6 + 1 if tree_width == 2 else 0)
     announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
     assert len(announced) == shapes, announced
     graphs = counters["stats"]["unique_graphs"]
     caplog.clear()
+    # target-alone cycles between drafted ones (the fallback's choice, scripted: conftest otherwise drafts always)
+    monkeypatch.setattr(DraftLengthPolicy, "run_alone", lambda self: self.cycles >= 1 and self.since_draft < 1)
     for prompt in ["東京", *PROMPTS]:
         assert spec.generate(prompt, max_new_tokens=16).token_ids == target_ids(tiny_target, prompt, 16), prompt
     assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]

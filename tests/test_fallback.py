@@ -43,19 +43,37 @@ def test_policy_drafts_first_then_measures_a_target_step():
     assert p.run_alone()  # 3 drafted cycles measured, no target step yet: measure one
 
 
-def test_policy_runs_the_target_alone_while_it_is_cheaper_per_token_and_probes_drafting_ever_more_rarely():
-    p = policy()
-    drafted(p, 3, 2, 0.030)  # 15 ms a token drafting
+def alone_runs(p: DraftLengthPolicy, cycles: int, alone_s: float, tokens: int, drafted_s: float) -> list[int]:
+    """Drive the policy with fixed costs -> the lengths of its runs of target-alone cycles."""
     pattern = ""
-    for _ in range(50):
+    for _ in range(cycles):
         alone = p.run_alone()
         pattern += "A" if alone else "D"
         if alone:
-            p.record(1, 0.010, alone=True)  # 10 ms a token alone
+            p.record(1, alone_s, alone=True)
         else:
-            drafted(p, 1, 2, 0.030)
-    # the first A measures a step; then runs of 2, 4, 8, 16 (PROBE_DRAFT_MAX), 16, ... between drafted probes
-    assert pattern == "AA" + "D" + "A" * 4 + "D" + "A" * 8 + "D" + "A" * 16 + "D" + "A" * 16
+            drafted(p, 1, tokens, drafted_s)
+    return [len(run) for run in pattern.split("D")]
+
+
+def test_policy_runs_the_target_alone_while_it_is_cheaper_per_token_and_probes_drafting_ever_more_rarely():
+    p = policy()
+    drafted(p, 3, 2, 0.030)  # 15 ms a token drafting, 10 ms alone: a probe costs 10 ms more than it commits
+    # the first A measures a step; then runs of 2, 4, 8, 16, and at most 20 (a probe's extra 10 ms is 5% of 20
+    # target-alone cycles)
+    assert alone_runs(p, 80, 0.010, 2, 0.030) == [2, 4, 8, 16, 20, 20, 4]
+
+
+def test_policy_probes_at_most_every_16_cycles_where_drafting_loses_a_little():
+    p = policy()
+    drafted(p, 3, 2, 0.021)  # 10.5 ms a token drafting: a probe costs 1 ms more than it commits
+    assert alone_runs(p, 70, 0.010, 2, 0.021) == [2, 4, 8, 16, 16, 16, 2]
+
+
+def test_policy_probes_rarely_where_a_drafted_cycle_costs_many_steps():
+    p = policy()
+    drafted(p, 3, 1, 0.100)  # a drafted cycle commits 1 token in 10 steps: 90 ms extra, 5% of 180 cycles
+    assert alone_runs(p, 800, 0.010, 1, 0.100)[:9] == [2, 4, 8, 16, 32, 64, 128, 180, 180]
 
 
 def test_policy_keeps_drafting_while_it_pays_and_measures_the_target_again_rarely():

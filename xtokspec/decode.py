@@ -98,6 +98,7 @@ class DraftingCost:
 
     tokens: float = 0.0
     seconds: float = 0.0
+    weight: float = 0.0  # the decayed count of cycles in the sums
     cycles: int = 0
     alone_run: int = 2  # target-alone cycles before the next drafted probe (DraftLengthPolicy.PROBE_DRAFT_FIRST)
 
@@ -120,8 +121,11 @@ class DraftLengthPolicy:
     ALONE_SAMPLES = 8  # recent target-alone cycle times kept (SpecConfig.fallback)
     PROBE_ALONE_EVERY = 64  # drafted cycles between two target-alone cycles while drafting pays
     # target-alone cycles between two drafted ones while drafting does not pay: 2 at first, doubled after each
-    # drafted probe that loses too (a choice made on a few early cycles is soon tested again), at most 16
-    PROBE_DRAFT_FIRST, PROBE_DRAFT_MAX = 2, 16
+    # drafted probe that loses too (a choice made on a few early cycles is soon tested again), up to 16, or up
+    # to as many as keep a probe's extra seconds within PROBE_BUDGET of the target-alone time between probes
+    # (where a drafted cycle costs several steps more than it commits), at most PROBE_DRAFT_CAP
+    PROBE_DRAFT_FIRST, PROBE_DRAFT_MAX, PROBE_DRAFT_CAP = 2, 16, 256
+    PROBE_BUDGET = 0.05
 
     def __init__(self, config: SpecConfig, decay: float = 0.9, size_times: dict | None = None,
                  alone_times: collections.deque | None = None, drafting: DraftingCost | None = None):
@@ -192,6 +196,7 @@ class DraftLengthPolicy:
         d, cost = self.decay, self.drafting
         cost.tokens = d * cost.tokens + committed
         cost.seconds = d * cost.seconds + seconds
+        cost.weight = d * cost.weight + 1.0
         cost.cycles += 1
         self.since_draft = 0
         self.since_alone += 1
@@ -205,7 +210,7 @@ class DraftLengthPolicy:
         after every PROBE_ALONE_EVERY drafted cycles. Then the cheaper arm runs, except that a run of target-
         alone cycles gives way to one drafted cycle (a probe, so that drafting is measured again as the text
         and its acceptance change) after `alone_run` of them: PROBE_DRAFT_FIRST, doubled after each probe that
-        leaves the target alone cheaper, up to PROBE_DRAFT_MAX, and back to the first once drafting wins. The
+        leaves the target alone cheaper, up to `_probe_cap()`, and back to the first once drafting wins. The
         drafting costs and the schedule carry over between generations with the same settings (DraftingCost):
         a later generation may start with the target alone. Each arm's output is the target's own, so the
         choice costs speed at worst, never correctness: it is made before the cycle from earlier cycles'
@@ -218,13 +223,23 @@ class DraftLengthPolicy:
         if 0 < self.since_draft and self.since_draft >= cost.alone_run:
             self.probing = True
             return False
-        alone = statistics.median(self.alone_times) * cost.tokens < cost.seconds
+        step = statistics.median(self.alone_times)
+        alone = step * cost.tokens < cost.seconds
         if self.probing and self.since_draft == 0:  # the probe has been measured
             self.probing = False
-            cost.alone_run = min(2 * cost.alone_run, self.PROBE_DRAFT_MAX) if alone else self.PROBE_DRAFT_FIRST
+            cost.alone_run = min(2 * cost.alone_run, self._probe_cap(step)) if alone else self.PROBE_DRAFT_FIRST
         elif not alone:
             cost.alone_run = self.PROBE_DRAFT_FIRST
         return alone
+
+    def _probe_cap(self, step: float) -> int:
+        """The longest run of target-alone cycles between drafted probes: PROBE_DRAFT_MAX, or more where a drafted
+        cycle's measured extra seconds (its time minus what the target alone takes for the tokens it commits)
+        would exceed PROBE_BUDGET of the target-alone time between probes; at most PROBE_DRAFT_CAP."""
+        cost = self.drafting
+        extra = (cost.seconds - step * cost.tokens) / max(cost.weight, 1e-9)
+        need = math.ceil(round(extra / (self.PROBE_BUDGET * max(step, 1e-9)), 6))  # NOTE: 20.000000004 is 20
+        return max(self.PROBE_DRAFT_MAX, min(need, self.PROBE_DRAFT_CAP))
 
     def _verify_cost(self, m: float) -> float:
         """Verification seconds for m proposals (nodes): a least-squares line over recent cycles. Its slope is
@@ -476,6 +491,8 @@ class XTokSpec:
         if trees and draft.grows_trees:
             widths = {padded_length(w): w for w in range(1, config.tree_width + 1)}  # the widest per bucket
             plan += [(draft, level, w) for w in sorted(widths.values())]
+        if trees and config.adaptive and config.fallback:  # a target-alone cycle feeds one id, as a chain does
+            plan.append((target, chain, 1))
         if trees:  # an accepted path off the first branch: at most every node but one
             lengths = {padded_length(n): n for n in range(1, target.max_tree_nodes(config.max_tree_nodes))}
             plan += [(target, move, n) for n in sorted(lengths.values())]
