@@ -126,9 +126,10 @@ def cpu_bf16_note(model, role: str) -> str | None:
         return None
     return (f"{role} runs in bfloat16 on a CPU without AVX512-BF16 or AMX: here torch's bfloat16 matrix products "
             "cost each token of a forward about a one-token step, so verifying drafts cannot be faster than the "
-            "target alone (measured 0.3-0.65x on an AVX2-only CPU; float32 measured 0.5-0.6x there too, its "
-            "products only flattening past ~5 tokens). Speculative decoding needs a CPU with bfloat16 units or a "
-            "GPU (BENCHMARKS.md, 'Sampled tree roots')")
+            "target alone (drafting every cycle measured 0.3-0.65x on an AVX2-only CPU; float32 0.5-0.6x, its "
+            "products only flattening past ~5 tokens). xtokspec falls back to the target alone where it measures "
+            "this (SpecConfig.fallback; 0.87-0.96x there), but speed-ups need a CPU with bfloat16 units or a GPU "
+            "(BENCHMARKS.md, 'Falling back to the target alone')")
 
 
 # ---------------------------------------------------------------- the draft's output head, trimmed
