@@ -176,3 +176,28 @@ def test_streams_open_at_once_never_share_a_static_buffer(tree_width, tiny_targe
                 texts[i] += piece or ""
     assert texts == alone
     assert len(spec._idle_kv) == 2  # one buffer per model, kept for the next generation
+
+
+# The static cache's sampled one-hot path, sample for sample. Until the fifteenth session a chi-square case in
+# tests/test_stats.py ran it (2,000 seeded generations and a control): it drew exactly the dynamic case's
+# samples, whose law that file tests. Equality on the same seeds is the stronger check of the backend, at a
+# fraction of the cost: any divergence fails it (a sampled token flips only if the two caches' logits differed).
+SAME_SAMPLE_SEEDS = 150
+
+
+@pytest.mark.slow
+def test_static_cache_draws_the_dynamic_caches_samples_seed_for_seed(bridged_spec):
+    from xtokspec import XTokSpec
+
+    static = XTokSpec((bridged_spec.target_model, bridged_spec.target_tokenizer),
+                      (bridged_spec.draft_model, bridged_spec.draft_tokenizer), config=SpecConfig(cache="static"))
+    options = dict(max_new_tokens=3, do_sample=True, proposal="onehot", num_draft_tokens=3, adaptive=False,
+                   temperature=1.0, top_k=3, top_p=1.0)
+    prompt = "Linux 2.0 で、 struct arp"  # tests/test_stats.py's one-hot prompt: 15% of runs accept 2 proposals
+    deep = 0
+    for seed in range(SAME_SAMPLE_SEEDS):
+        ours = static.generate(prompt, seed=seed, **options)
+        assert ours.stats.cache == "static/static"
+        assert ours.token_ids == bridged_spec.generate(prompt, seed=seed, **options).token_ids, f"seed {seed}"
+        deep += ours.stats.max_accepted_in_a_cycle >= 2
+    assert deep >= 0.05 * SAME_SAMPLE_SEEDS  # the rollback below the first proposal is on the checked path

@@ -4,7 +4,8 @@ False-failure budget (see reference/chisquare.py): a full tox run may fail a cor
 probability <= 1e-3. tests/reference claims 1e-4 for its 13 tests; this file claims the other 9e-4 for its
 NUM_TESTS statistical tests, so each runs at ALPHA = 9e-4 / NUM_TESTS. Seeds are fixed: a pass is
 reproducible, and the budget is the chance that the seeds chosen were unlucky. Every test also runs a
-deliberately wrong sampler on the same sample size and asserts that the same check rejects it (p < ALPHA).
+deliberately wrong sampler on the same seeds and asserts that the same check rejects it (p < ALPHA): on as
+many runs, or on the first of them where its rejection has a wide margin (CONTROL_RUNS and its kin).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import reference.tree as reference_tree
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 19  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 4.7e-5
+NUM_TESTS = 18  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 5.0e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -193,7 +194,7 @@ def test_sampled_root_draws_and_rule_have_the_exact_joint_law():
 # accepted 2 proposals in one cycle, so that it cannot quietly stop reaching the deep position, and runs
 # two negative controls through the functions the loop really calls (monkeypatched in `sampling`): one
 # flawed at a cycle's first proposal only, one at its later proposals only. Both must fail the same check.
-N_E2E = 2000
+N_E2E = 1000
 LENGTH = 3
 NUM_DRAFT_TOKENS = 3
 MIN_DEEP_SHARE = 0.10  # the chosen prompts measure 0.14-0.50 (v2.1 fixtures)
@@ -309,37 +310,67 @@ def half_shifted_map(where: str):
     return {"map_to_target": flawed}
 
 
-FLAWS = {"q^2": squared_proposal, "residual": residual_ignores_proposal, "half-map": half_shifted_map}
+def later_untested(where: str):
+    """WRONG: only a cycle's first proposal is tested; once it is accepted, the later ones are accepted without
+    their test (an off-by-one in the acceptance loop). Flawed only at the later proposals."""
+    assert where == DEEP, "this flaw exists only at the later proposals"
+    count_accepted = sampling.count_accepted
+
+    def flawed(target_probs, proposal_ids, uniforms, proposal_probs=None):
+        accepted = count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
+        return proposal_ids.shape[0] if accepted >= 1 else accepted
+
+    return {"count_accepted": flawed}
+
+
+FLAWS = {"q^2": squared_proposal, "residual": residual_ignores_proposal, "half-map": half_shifted_map,
+         "untested": later_untested}
 
 
 # (backend, path, setting): every path runs once on the dynamic cache and once on another backend: "static"
 # (SpecConfig(cache="static")) or "compile" (SpecConfig(compile=True): padded fixed-length forwards on the
 # static cache, with torch.compile replaced by the identity so that the padding and rollback code runs in
 # seconds; tests/test_compile.py checks a real compile).
-# Each case's negative controls: (flaw, where). The deep control is in every case; the dynamic cases add
-# the first-position one. q^2 is the reviewer's mutant (the verifier told q^2 instead of q); at T=0.7 with
+# Each case's negative controls: (flaw, where). The deep control is in every case; the dynamic cases add the
+# first-position one. q^2 is the reviewer's mutant (the verifier told q^2 instead of q); at T=0.7 with
 # top-k/top-p the draft is peaked, q^2 barely differs from q there, so that case uses the residual flaw.
-CASES = [
-    ("dynamic", "same-tokenizer", "t1.0-k3"), ("compile", "same-tokenizer", "t0.7-k6-p0.9"),
-    ("dynamic", "onehot", "t1.0-k3"), ("static", "onehot", "t1.0-k3"),
-    ("static", "intersection", "t1.0-k3"), ("dynamic", "intersection", "t0.7-k6-p0.9"),
-]
-# Runs per case: N_E2E, or 1,000 where every control rejected by a wide margin (v2.1 fixtures, at 1,000: deep
-# 1.3e-9, 2.1e-53 and 1.2e-17); the rest keep 2,000. The weakest control is the one-hot deep one: the residual
-# flaw at the second proposal gives p = 4.6e-5 on both one-hot cases (the same seeds draw the same samples on
-# both cache backends), under ALPHA = 5.3e-5 but not by much; seeds are fixed, so it passes every time.
-CASE_RUNS = {CASES[1]: 1000, CASES[4]: 1000, CASES[5]: 1000}
+DYNAMIC_SAME = ("dynamic", "same-tokenizer", "t1.0-k3")
+COMPILE_SAME = ("compile", "same-tokenizer", "t0.7-k6-p0.9")
+DYNAMIC_ONEHOT = ("dynamic", "onehot", "t1.0-k3")
+STATIC_INTERSECTION = ("static", "intersection", "t1.0-k3")
+DYNAMIC_INTERSECTION = ("dynamic", "intersection", "t0.7-k6-p0.9")
+# The static one-hot case ("static", "onehot", "t1.0-k3") ran here until the fifteenth session. It drew exactly
+# the dynamic one-hot case's samples (same seeds, same logits: the same p-value at 2,000 runs), so
+# tests/test_cache.py now checks that sample for sample on its seeds, an exact test in the py env.
+CASES = [DYNAMIC_SAME, COMPILE_SAME, DYNAMIC_ONEHOT, STATIC_INTERSECTION, DYNAMIC_INTERSECTION]
+# Runs per case: N_E2E = 1,000 (v2.1 fixtures: every control rejects at that N or fewer, by the printed
+# p-values). Until the fifteenth session the same-tokenizer t1.0 and one-hot cases ran 2,000: the one-hot deep
+# control then was the residual flaw at the second proposal, which gave p = 4.6e-5 at 2,000 runs, just under
+# the ALPHA of then (4.7e-5): the test could barely see that flaw. The dynamic one-hot case's deep control is now the
+# untested-later-proposals flaw (8.7e-9 at 500 runs, 5.6e-18 at 1,000); the residual flaw stays its first-position
+# control.
 # The cases tox's second stats env runs (tox -e stats2), so that the two envs share the machine's 2 cores.
-# stats2 starts after the py env, so it gets less: with CASES[4] there, CI's critical path (py, then stats2)
-# ran 16 min while stats ended at 13 (tenth session), so CASES[4] runs in stats.
-SECOND_ENV = {CASES[1], CASES[3], CASES[5]}
+# stats2 starts after the py env, so it gets less: with STATIC_INTERSECTION there, CI's critical path (py, then
+# stats2) ran 16 min while stats ended at 13 (tenth session), so it runs in stats. The tree cases below split the
+# same way: the static-cache ones in stats2, the dynamic ones in stats.
+SECOND_ENV = {COMPILE_SAME, DYNAMIC_INTERSECTION}
+# Runs per negative control (here and in every test below): the test's own N on its first seeds, or fewer where
+# the control rejected by a wide margin at that N (v2.1 fixtures): the reduced N keeps each control's p-value
+# under 1e-6, against ALPHA = 5.0e-5 (fifteenth session; the p-values the tests print with -rP). The controls
+# cost as much as the tests themselves, and CI's stats envs had grown to ~20 minutes each.
+CONTROL_RUNS = {
+    (DYNAMIC_SAME, "q^2", FIRST): 500,  # 5.7e-51 at 2,000, 1.6e-11 at 500
+    (DYNAMIC_ONEHOT, "untested", DEEP): 500,  # 5.6e-18 at 1,000, 8.7e-9 at 500
+    (STATIC_INTERSECTION, "half-map", DEEP): 400,  # 2.1e-53 at 1,000
+    (DYNAMIC_INTERSECTION, "half-map", FIRST): 500,  # 4.5e-23 at 1,000
+    (DYNAMIC_INTERSECTION, "half-map", DEEP): 500,  # 1.2e-17 at 1,000
+}
 CASE_CONTROLS = {
-    CASES[0]: (("q^2", "first"), ("q^2", "deep")),
-    CASES[1]: (("residual", "deep"),),
-    CASES[2]: (("residual", "first"), ("residual", "deep")),
-    CASES[3]: (("residual", "deep"),),
-    CASES[4]: (("half-map", "deep"),),
-    CASES[5]: (("half-map", "first"), ("half-map", "deep")),
+    DYNAMIC_SAME: (("q^2", "first"), ("q^2", "deep")),
+    COMPILE_SAME: (("residual", "deep"),),
+    DYNAMIC_ONEHOT: (("residual", "first"), ("untested", "deep")),
+    STATIC_INTERSECTION: (("half-map", "deep"),),
+    DYNAMIC_INTERSECTION: (("half-map", "first"), ("half-map", "deep")),
 }
 
 
@@ -363,7 +394,7 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
     params = spec.sampling_params(do_sample=True, **SETTINGS[setting])
     prompt = PROMPTS[path, setting]
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, spec.target_eos)
-    runs = CASE_RUNS.get(case, N_E2E)
+    runs = N_E2E
     samples, deep_share = sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
     used = {"dynamic": "dynamic/dynamic", "static": "static/static", "compile": "static/static+compile"}[backend]
     assert spec.generate(prompt, max_new_tokens=2).stats.cache == used
@@ -377,9 +408,10 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
         with monkeypatch.context() as patch:
             for name, flawed in FLAWS[flaw](where).items():
                 patch.setattr(sampling, name, flawed)
-            wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt, runs)
+            control_runs = CONTROL_RUNS.get((case, flaw, where), runs)
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], proposal, prompt, control_runs)
         control = control_rejected(wrong, exact, f"{flaw}, flawed at the {where} proposal")
-        report.append(f"{flaw} {where}-position control p={control.pvalue:.3g}")
+        report.append(f"{flaw} {where}-position control p={control.pvalue:.3g} (N={control_runs})")
     print("; ".join(report))  # the figures fixtures/README.md quotes (pytest -s)
 
 
@@ -401,8 +433,9 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 TREE_WIDTH, TREE_DEPTH = 4, 2
 TREE_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
 TREE_PROMPTS = {TREE_CASES[0]: "指定されたデバイス上に作成する。 ext", TREE_CASES[1]: "(8) はユーザ"}
-TREE_RUNS = {TREE_CASES[0]: 1000, TREE_CASES[1]: 1000}
+TREE_RUNS = {TREE_CASES[0]: 600, TREE_CASES[1]: 600}  # 1,000 until the fifteenth session
 TREE_CONTROLS = {TREE_CASES[0]: ("first",), TREE_CASES[1]: ("deep",)}
+TREE_CONTROL_RUNS = {TREE_CASES[0]: 400, TREE_CASES[1]: 500}  # at 1,000: 2.9e-32 and 1.4e-72 (1.1e-5 at 250)
 #
 # C2, tree_root="sampled". The controls replace `tree.sampled_tests` (the root's rule, as the loop calls it) by
 # a mutant with one wrong update (reference/tree.py's flaws): "keep_p" never moves p to the residual,
@@ -416,9 +449,10 @@ TREE_CONTROLS = {TREE_CASES[0]: ("first",), TREE_CASES[1]: ("deep",)}
 SAMPLED_ROOT_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
 SAMPLED_ROOT_PROMPTS = {SAMPLED_ROOT_CASES[0]: "メインフォームフィールド",
                         SAMPLED_ROOT_CASES[1]: "Awk インタープリターへのフルパスを指定"}
-SAMPLED_ROOT_RUNS = {SAMPLED_ROOT_CASES[0]: 1000, SAMPLED_ROOT_CASES[1]: 1000}
+SAMPLED_ROOT_RUNS = {SAMPLED_ROOT_CASES[0]: 600, SAMPLED_ROOT_CASES[1]: 600}  # 1,000 until the fifteenth session
 SAMPLED_ROOT_CONTROLS = {SAMPLED_ROOT_CASES[0]: ("onehot_residual",),
                          SAMPLED_ROOT_CASES[1]: ("keep_p",)}
+SAMPLED_ROOT_CONTROL_RUNS = {SAMPLED_ROOT_CASES[0]: 250, SAMPLED_ROOT_CASES[1]: 150}  # at 1,000: 1.4e-95, 3.2e-163
 
 
 def unnormalised_walk(where: str):
@@ -487,7 +521,8 @@ def tree_spec(base, backend: str, root: str):
 
 @pytest.mark.stats
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) for c in TREE_CASES], ids="-".join)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) if c[0] == "static" else c for c in TREE_CASES],
+                         ids="-".join)
 def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
     backend, path, setting = case
     spec = tree_spec(same_spec if path == "same-tokenizer" else bridged_spec, backend, "top")
@@ -505,16 +540,16 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
     for where in TREE_CONTROLS[case]:
         with monkeypatch.context() as patch:
             patch.setattr(tree, "walk_sampled", unnormalised_walk(where))
-            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, TREE_CONTROL_RUNS[case], **options)
         control = control_rejected(wrong, exact, f"no renormalisation, {where}")
-        report.append(f"no-renormalisation {where} control p={control.pvalue:.3g}")
+        report.append(f"no-renormalisation {where} control p={control.pvalue:.3g} (N={TREE_CONTROL_RUNS[case]})")
     print("; ".join(report))
 
 
 @pytest.mark.stats
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) for c in SAMPLED_ROOT_CASES],
-                         ids="-".join)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stats2) if c[0] == "static" else c
+                                  for c in SAMPLED_ROOT_CASES], ids="-".join)
 def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_spec, ja_target, monkeypatch):
     """Trees whose root candidates are drawn from the draft (tree_root="sampled"): the target's law, and every
     control (a wrong update in the root's rule) fails the same check."""
@@ -535,9 +570,10 @@ def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_sp
     for flaw in SAMPLED_ROOT_CONTROLS[case]:
         with monkeypatch.context() as patch:
             patch.setattr(tree, "sampled_tests", flawed_sampled_tests(flaw))
-            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, runs, **options)
+            wrong, _ = sample_continuations(spec, SETTINGS[setting], "auto", prompt, SAMPLED_ROOT_CONTROL_RUNS[case],
+                                            **options)
         control = control_rejected(wrong, exact, f"sampled root, {flaw}")
-        report.append(f"{flaw} control p={control.pvalue:.3g}")
+        report.append(f"{flaw} control p={control.pvalue:.3g} (N={SAMPLED_ROOT_CONTROL_RUNS[case]})")
     print("; ".join(report))
 
 
@@ -618,7 +654,7 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
 LONG_SETTING = "t1.0-k3"
 LONG_PROMPT = "has_journal ( -"
 LONG_LENGTH = 6
-LONG_RUNS = 1000
+LONG_RUNS = 600  # 1,000 until the fifteenth session; its control measured 6.9e-10 at 1,000, 5.3e-9 at 600
 MIN_LATER_ONEHOT_REJECTIONS = 0.3  # runs with a rejected one-hot proposal after their first cycle (measured 0.93)
 
 
@@ -697,7 +733,8 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
 # the target puts little mass there, so this case does not show the second row separately. The trimmed head
 # scores every row of every draft forward alike (test_draft_vocab.py checks the logits).
 TRIM_CASE = ("dynamic", "intersection", "t1.0-k3")
-TRIM_RUNS = 1000
+TRIM_RUNS = 600  # 1,000 until the fifteenth session
+TRIM_CONTROL_RUNS = 400  # 6.9e-43 at 1,000
 TRIMMED_TOKENS = (" が", " 2", " 0")
 MIN_TRIMMED_MASS = 0.1  # of the full head's warped mass at the first and at the second proposal
 
@@ -750,11 +787,12 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
     result = reference.assert_samples_match(samples, exact, ALPHA, "trimmed draft head")
     with monkeypatch.context() as patch:
         patch.setattr(sampling, "race", draws_trimmed_only(keep, draft_vocab))
-        wrong, _ = sample_continuations(bridged_spec, SETTINGS[TRIM_CASE[2]], "intersection", prompt, TRIM_RUNS)
+        wrong, _ = sample_continuations(bridged_spec, SETTINGS[TRIM_CASE[2]], "intersection", prompt,
+                                        TRIM_CONTROL_RUNS)
     control = control_rejected(wrong, exact, "draws trimmed, q full")
     print(f"trimmed head (mass dropped at the first / second proposal: {dropped[0]:.2f} / {dropped[1]:.2f}; "
           f"N={TRIM_RUNS}): p={result.pvalue:.3g}, deep share {deep_share:.2f}; "
-          f"draws-trimmed-q-full control p={control.pvalue:.3g}")
+          f"draws-trimmed-q-full control p={control.pvalue:.3g} (N={TRIM_CONTROL_RUNS})")
 
 
 # ---------------------------------------------------------------- F. target-alone cycles between drafted ones
@@ -768,6 +806,7 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
 ALONE_CASE = ("dynamic", "intersection", "t1.0-k3")
 ALONE_LENGTH = 4
 ALONE_RUNS = 600  # the control fails at p < 1e-300 with N=1000; 600 keeps CI inside its budget
+ALONE_CONTROL_RUNS = 150  # p = 0 (below 1e-300) at 600
 MIN_AFTER_ALONE_SHARE = 0.3  # runs with a drafted cycle carrying proposals right after a target-alone one
 
 
@@ -818,10 +857,10 @@ def test_end_to_end_sampling_with_target_alone_cycles_matches_target(bridged_spe
     result = reference.assert_samples_match(samples, exact, ALPHA, "target-alone cycles")
     with monkeypatch.context() as patch:
         patch.setattr(decode._Run, "_alone_cycle", unwarped_alone(decode._Run._alone_cycle))
-        wrong, _ = sample_with_alone_cycles(bridged_spec, prompt, ALONE_RUNS)
+        wrong, _ = sample_with_alone_cycles(bridged_spec, prompt, ALONE_CONTROL_RUNS)
     control = control_rejected(wrong, exact, "target-alone cycles without the warpers")
     print(f"target-alone cycles (N={ALONE_RUNS}): p={result.pvalue:.3g}, drafted-after-alone share {after:.2f}; "
-          f"unwarped control p={control.pvalue:.3g}")
+          f"unwarped control p={control.pvalue:.3g} (N={ALONE_CONTROL_RUNS})")
 
 
 def _statistical_test_count() -> int:
