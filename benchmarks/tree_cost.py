@@ -8,6 +8,7 @@ on verification alone (the draft's extra work comes on top).
 
     python benchmarks/tree_cost.py --out bench-out/tree-cost                      # the fixture target, fp32
     python benchmarks/tree_cost.py --model ~/.cache/xtokspec/real/qwen2.5-coder-1.5b --dtype bfloat16 --out ...
+    python benchmarks/tree_cost.py --model ~/.cache/xtokspec/real/qwen2.5-coder-1.5b --cpu-linears onednn ...
     python benchmarks/tree_cost.py --device cuda --out "$OUT/tree-cost"           # on a GPU (synchronised timing)
 
 Writes tree_cost.json, tree_cost.md and tree_cost.png under --out.
@@ -26,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from xtokspec.cache import ModelState
-from xtokspec.models import resolve
+from xtokspec.models import onednn_linears, resolve
 from xtokspec.tree import Trie
 
 NODES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -93,17 +94,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
+    parser.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+                        help="onednn: the model's linears packed for oneDNN (float32 CPU; models.onednn_linears)")
     parser.add_argument("--out", default="bench-out/tree-cost")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve(args.model, "--model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)
+    if args.cpu_linears == "onednn":
+        onednn_linears(model)
+    kernels = ", oneDNN linears" if args.cpu_linears == "onednn" else ""
     costs = measure(model, args.context, args.repeats)
     one_step = costs["flat"][0]
     cuda = args.device.startswith("cuda")
     where = torch.cuda.get_device_name(args.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
-    lines = [f"Tree verification cost, {Path(str(path)).name} ({args.dtype}, {where}, "
+    lines = [f"Tree verification cost, {Path(str(path)).name} ({args.dtype}{kernels}, {where}, "
              f"{args.context}-token context; median of {args.repeats})", "",
              "| nodes | flat tree (ms) | beam-like tree (ms) | x one-token step |", "|---|---|---|---|"]
     for n in NODES:
@@ -119,7 +125,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tree_cost.md").write_text(report + "\n", encoding="utf-8")
     (out / "tree_cost.json").write_text(json.dumps(
-        {"model": str(path), "dtype": args.dtype, "device": where, "threads": torch.get_num_threads(),
+        {"model": str(path), "dtype": args.dtype, "cpu_linears": args.cpu_linears, "device": where,
+         "threads": torch.get_num_threads(),
          "context": args.context, "costs_ms": costs, "fit": fits, "one_step_ms": one_step, "torch": torch.__version__}, indent=1))
     import matplotlib
 
@@ -132,7 +139,7 @@ def main() -> None:
     ax.axhline(one_step, color="gray", linestyle=":", label="one-token step")
     ax.set_xlabel("tree nodes verified in one forward")
     ax.set_ylabel("ms")
-    ax.set_title(f"{Path(str(path)).name}, {args.dtype}, {torch.get_num_threads()} threads")
+    ax.set_title(f"{Path(str(path)).name}, {args.dtype}{kernels}, {torch.get_num_threads()} threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "tree_cost.png", dpi=120)

@@ -45,6 +45,18 @@ def test_generate_with_a_trimmed_draft_head_gives_the_same_text(capsys, ja_targe
     assert out == full and "draft head trimmed to 2048 of 8192 ids" in err and "[head: 2048 of 8192 ids]" in err
 
 
+@pytest.mark.slow
+def test_generate_with_onednn_linears(capsys, ja_target):
+    """--cpu-linears onednn converts both models; the text is the converted target's, which on these fixtures
+    (float32) is the unconverted one's too unless a near-tie parts them (test_onednn checks the tokens)."""
+    args = ["generate", "自然言語処理とは何か", "--max-new-tokens", "24", "--dtype", "float32"]
+    assert main(args) == 0
+    torch_text = capsys.readouterr().out
+    assert main([*args, "--cpu-linears", "onednn"]) == 0
+    out, err = capsys.readouterr()
+    assert "oneDNN linears: 169 in the target, 9 in the draft" in err and out == torch_text
+
+
 def test_bad_input_exits_2_with_a_message(capsys):
     assert main(["generate", "", "--max-new-tokens", "4"]) == 2
     assert "xtokspec: error: prompt is empty" in capsys.readouterr().err
@@ -109,6 +121,8 @@ def no_models(monkeypatch):
         (["東京", "--draft-vocab", "2048", "--calibration", "/no/such/text.txt"], "cannot read --calibration"),
         (["東京", "--tree-width", "0"], "tree_width must be an integer >= 1"),
         (["東京", "--compile", "--cache", "dynamic"], "--compile needs the static cache"),
+        (["東京", "--cpu-linears", "onednn"], "--cpu-linears onednn needs --dtype float32 and no --compile"),
+        (["東京", "--cpu-linears", "onednn", "--dtype", "float32", "--compile"], "needs --dtype float32 and no --compile"),
     ],
 )
 def test_bad_input_is_named_before_any_model_loads(no_models, capsys, args, message):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .models import fixture_model, fixtures_dir
+from .models import fixture_model, fixtures_dir, onednn_linears
 from .types import SpecConfig, XTokSpecError, expected_tokens
 
 CACHE_ENV = "XTOKSPEC_CACHE"  # where benchmarks/real_models.py puts the converted real models
@@ -99,7 +99,23 @@ def real_model_dir(name: str) -> Path:
     return folder
 
 
-def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu") -> Models:
+def load_preset(preset: str, dtype: torch.dtype, device: str = "cpu", cpu_linears: str = "torch") -> Models:
+    """The preset's models; `cpu_linears="onednn"` packs every linear of every model for oneDNN
+    (`models.onednn_linears`), so the target alone and every system run the same kernels (the copies of the
+    cross-tokenizer draft that transformers' universal mode uses keep a torch output head: it prunes it).
+    Extra drafts (greedy only) are converted with their heads."""
+    models = _load_preset(preset, dtype, device)
+    if cpu_linears == "onednn":
+        for pair in (models.target, models.draft_same, models.draft_cross, *models.extra_cross.values()):
+            if pair is not None:
+                onednn_linears(pair[0])
+        for pair in (models.draft_cross_hf, models.draft_cross_hf_sampled):  # NOTE: transformers prunes their heads
+            if pair is not None:
+                onednn_linears(pair[0], keep_head=True)
+    return models
+
+
+def _load_preset(preset: str, dtype: torch.dtype, device: str) -> Models:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def load(path):
@@ -602,7 +618,7 @@ def main_bench(args: argparse.Namespace) -> int:
     calibration = read_calibration(args.calibration, args.draft_vocab)  # NOTE: before loading any model
     torch.set_num_threads(args.threads) if args.threads else None
     dtype = getattr(torch, args.dtype)
-    models = load_preset(args.preset, dtype, args.device)
+    models = load_preset(args.preset, dtype, args.device, cpu_linears=args.cpu_linears)
     if args.preset == "fixtures":
         lines = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
         prompts = [p for p in lines if p][: args.prompts]
@@ -613,7 +629,7 @@ def main_bench(args: argparse.Namespace) -> int:
                          tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration,
                          compile=args.compile, tree_top=args.tree_top, always_draft=args.always_draft)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "compile": args.compile,
+            "compile": args.compile, "cpu_linears": args.cpu_linears,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
     print(write_report(out, meta, runs))
@@ -630,6 +646,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
+    bench.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+                       help="onednn: every model's linears packed for oneDNN (float32 CPU only; faster short "
+                            "forwards on CPUs without bfloat16 units; BENCHMARKS.md, 'oneDNN linears')")
     bench.add_argument("--compile", action="store_true",
                        help="xtokspec systems with SpecConfig(compile=True) (CUDA graphs on a GPU), every shape "
                             "compiled before timing (minutes per system for a large model)")

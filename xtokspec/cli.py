@@ -101,6 +101,9 @@ def _generate(args: argparse.Namespace) -> int:
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
     if args.compile and args.cache == "dynamic":
         raise XTokSpecError("--compile needs the static cache (fixed shapes): drop --cache dynamic")
+    if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile):
+        raise XTokSpecError("--cpu-linears onednn needs --dtype float32 and no --compile (oneDNN's packed float32 "
+                            "linears on the CPU)")
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
         adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, tree_root=args.tree_root,
@@ -123,6 +126,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if calibration is not None:
         print(f"[xtokspec] {spec.trim_draft_vocab(calibration, args.draft_vocab).describe()}", file=sys.stderr)
+    if args.cpu_linears == "onednn":  # NOTE: after trimming, which slices the draft's torch head
+        from .models import onednn_linears
+
+        counts = [onednn_linears(model) for model in (spec.target_model, spec.draft_model)]
+        print(f"[xtokspec] oneDNN linears: {counts[0]} in the target, {counts[1]} in the draft", file=sys.stderr)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed,
                   temperature=None if do_sample is False else args.temperature, top_k=args.top_k, top_p=args.top_p)
     stats = GenerationStats()
@@ -192,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=_DTYPES, default="auto",
                      help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
                      "Python API load it (bfloat16 for the bundled models)")
+    gen.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+                     help="onednn: both models' linears packed for oneDNN (float32 on the CPU): shorter verification "
+                     "forwards on CPUs without bfloat16 units; the output is the converted target's (README)")
     gen.add_argument("--target-device", default=None, help="e.g. cuda:0, or auto (accelerate device_map)")
     gen.add_argument("--draft-device", default=None, help="e.g. cpu or cuda:0")
     gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",

@@ -127,9 +127,42 @@ def cpu_bf16_note(model, role: str) -> str | None:
     return (f"{role} runs in bfloat16 on a CPU without AVX512-BF16 or AMX: here torch's bfloat16 matrix products "
             "cost each token of a forward about a one-token step, so verifying drafts cannot be faster than the "
             "target alone (drafting every cycle measured 0.3-0.65x on an AVX2-only CPU; float32 0.5-0.6x, its "
-            "products only flattening past ~5 tokens). xtokspec falls back to the target alone where it measures "
+            "products only flattening past ~5 tokens; float32 with oneDNN linears, models.onednn_linears, "
+            "0.73-0.97x). xtokspec falls back to the target alone where it measures "
             "this (SpecConfig.fallback; 0.87-0.96x there), but speed-ups need a CPU with bfloat16 units or a GPU "
             "(BENCHMARKS.md, 'Falling back to the target alone')")
+
+
+def onednn_linears(model: torch.nn.Module, keep_head: bool = False) -> int:
+    """Replace every `nn.Linear` of a float32 CPU model, in place, by oneDNN's (`torch.utils.mkldnn`) linear with
+    its weight packed once; returns how many. On a CPU without bfloat16 units torch's float32 linear (MKL) costs
+    each row of a short input about what one row costs, so verifying n drafted tokens costs ~n steps; oneDNN's
+    packed linear verifies 4 tokens of Qwen2.5-1.5B for ~1.6 steps and runs one-token steps ~13% faster
+    (AVX2 EPYC, 2 threads; BENCHMARKS.md, "oneDNN linears"). Logits move by float rounding only (1e-4).
+
+    The model's own `generate` then runs the same kernels, so xtokspec's output equals the converted model's.
+    Inference only: the packed weights are buffers without gradients; the output head, if tied to the input
+    embedding, gets its own packed copy. Convert after `XTokSpec.trim_draft_vocab`'s head trimming, not before.
+    `keep_head`: leave the output head a torch linear (for code that slices its weight, as transformers'
+    universal assisted generation does).
+    """
+    from torch.utils.mkldnn import MkldnnLinear
+
+    if not torch.backends.mkldnn.is_available():
+        raise XTokSpecError("oneDNN linears: this torch build has no oneDNN (torch.backends.mkldnn)")
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is torch.nn.Linear]
+    if keep_head and hasattr(model, "get_output_embeddings"):
+        head = model.get_output_embeddings()
+        linears = [entry for entry in linears if entry[2] is not head]
+    for _, name, child in linears:
+        if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
+            raise XTokSpecError(f"oneDNN linears need a float32 model on the CPU; {name} is "
+                                f"{str(child.weight.dtype).removeprefix('torch.')} on {child.weight.device}")
+    with torch.no_grad():
+        for parent, name, child in linears:
+            setattr(parent, name, MkldnnLinear(child, torch.float32))
+    return len(linears)
 
 
 # ---------------------------------------------------------------- the draft's output head, trimmed
