@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_run.sh 7 ["-k expression"]   # chi-square cases on CUDA (about two per call)
 #   bash benchmarks/gpu_run.sh 8 test|bridged|same   # captured trees: the CUDA test, or the 13B-shape loop per draft
 #   bash benchmarks/gpu_run.sh 9   # per-call costs at the 13B shapes with the tree-masked 8/16/32-row verifications
+#   bash benchmarks/gpu_run.sh 10  # correctness in one call: the CUDA tests and the chi-square cases not yet run there
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -74,6 +75,19 @@ case "${1:-1}" in
     # tree-masked verification costs per bucket (three more target graphs to compile, ~30 s each at this shape)
   step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/real-trees-s11/results.json \
     --out "$OUT/gpu13"
+  ;;
+10)  # correctness only (no timings), one pytest process per case in parallel (16 host cores; the fixture models are
+     # launch-bound on a GPU, so the cases barely share it): every test of test_gpu.py, and the seven end-to-end
+     # chi-square cases that no GPU session had run (the sixteenth's code: sampled roots, target-alone cycles, ...)
+  XTOKSPEC_TEST_DEVICE=cuda step 570 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 10 \
+    --durations=0 tests/test_gpu.py tests/test_stats.py -k "test_gpu or (end_to_end_sampling_matches_target and \
+    dynamic) or sampled_root_tree or trimmed_draft_head or target_alone_cycles"
+  ;;
+11)  # the seventeenth session's last call: the three dynamic-cache chi-square cases that part 10 ran on the static
+     # cache (CUDA's default; the test's own check caught it), then the captured width-4 bridged tree loop after warmup
+  XTOKSPEC_TEST_DEVICE=cuda step 150 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 3 \
+    --durations=0 tests/test_stats.py -k "end_to_end_sampling_matches_target and dynamic"
+  step 400 loopt-bridged python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts bridged --out "$OUT/loopt-bridged"
   ;;
 esac
 # one archive: the device returns at most 8 files
