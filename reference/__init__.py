@@ -12,7 +12,9 @@ from reference.chisquare import (
     assert_same_distribution,
     assert_samples_match,
     chisquare_test,
+    control_miss_probability,
     count_samples,
+    noncentrality_per_run,
     per_test_alpha,
 )
 from reference.exact import (
@@ -49,9 +51,11 @@ __all__ = [
     "assert_samples_match",
     "block_output_distribution",
     "chisquare_test",
+    "control_miss_probability",
     "count_samples",
     "greedy",
     "map_proposal",
+    "noncentrality_per_run",
     "onehot_block",
     "per_test_alpha",
     "process_logits",

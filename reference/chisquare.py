@@ -180,3 +180,34 @@ def assert_samples_match(
     """``assert_same_distribution`` for raw samples (e.g. token tuples) against {outcome: prob}."""
     counts, probs, labels = count_samples(samples, exact_probs)
     return assert_same_distribution(counts, probs / probs.sum(), alpha, label, labels)
+
+
+# ---------------------------------------------------------------- the power of a negative control
+# A negative control runs the test on a deliberately flawed sampler and must reject. How often it fails to
+# (a *missed* control, which fails CI as surely as a false rejection does) is a number to budget, not to guess
+# from one lucky run. Under a fixed flaw, Pearson's statistic over N draws is close to a noncentral chi-square
+# with noncentrality N * delta, where delta = sum over bins of (flawed - exact)^2 / exact is the flaw's effect
+# per draw: mean dof + N * delta, variance 2 * (dof + 2 * N * delta).
+
+
+def noncentrality_per_run(observations: Iterable[tuple[int, float, int]]) -> tuple[float, float]:
+    """(delta, its standard error) from control runs (N draws, p-value, dof): each gives the unbiased
+    (chi2(dof).isf(p) - dof) / N, and they are averaged with weights 1 / variance, the variance
+    2 (dof + 2 N delta) / N^2 taken at the common estimate (iterated; at each run's own estimate the low draws
+    would weigh most and bias delta down). A p-value of 0 (the statistic beyond float64) counts as 1e-300,
+    which understates the effect."""
+    rows = [(runs, dof, max(float(stats.chi2.isf(max(pvalue, 1e-300), dof)) - dof, 0.0) / runs)
+            for runs, pvalue, dof in observations]
+    if not rows:
+        raise ValueError("no observations")
+    runs, dof, estimates = (np.array(column, dtype=float) for column in zip(*rows, strict=True))
+    delta = float(estimates.mean())
+    for _ in range(20):
+        weights = runs**2 / (2.0 * (dof + 2.0 * runs * delta))
+        delta = float((weights * estimates).sum() / weights.sum())
+    return delta, float(np.sqrt(1.0 / weights.sum()))
+
+
+def control_miss_probability(delta: float, runs: int, dof: int, alpha: float) -> float:
+    """P(a control whose flaw has effect ``delta`` per draw does not reject at ``alpha`` over ``runs`` draws)."""
+    return float(stats.ncx2.cdf(stats.chi2.isf(alpha, dof), dof, max(delta, 1e-12) * runs))

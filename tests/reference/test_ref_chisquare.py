@@ -9,6 +9,8 @@ from reference.chisquare import (
     assert_same_distribution,
     assert_samples_match,
     chisquare_test,
+    control_miss_probability,
+    noncentrality_per_run,
     per_test_alpha,
 )
 
@@ -91,3 +93,29 @@ def test_invalid_arguments_raise():
 def test_per_test_alphas_sum_to_the_budget():
     assert per_test_alpha(8) * 8 == pytest.approx(FALSE_FAILURE_BUDGET)
     assert per_test_alpha(4, budget=2e-4) == pytest.approx(5e-5)
+
+
+def test_control_power_matches_simulated_flawed_samplers():
+    """The miss probability of a negative control, and the effect recovered from its p-values, against 4,000
+    simulated controls (a flawed 8-outcome sampler, 300 draws each, no pooling). Seeded, so deterministic; the
+    tolerances are 4 binomial standard errors and 4 of the estimate's, wide enough that the seed is not lucky."""
+    rng = np.random.default_rng(3)
+    exact = np.array([0.2, 0.18, 0.15, 0.13, 0.11, 0.09, 0.08, 0.06])  # every bin >= 5 expected: no pooling
+    flawed = exact * np.exp(rng.normal(0, 0.15, 8))
+    flawed /= flawed.sum()
+    delta = float(((flawed - exact) ** 2 / exact).sum())
+    runs, alpha, reps = 300, 1e-3, 4000
+    results = [chisquare_test(rng.multinomial(runs, flawed), exact, alpha) for _ in range(reps)]
+    assert all(r.dof == 7 for r in results)
+    predicted = control_miss_probability(delta, runs, 7, alpha)
+    assert 0.05 < predicted < 0.95, predicted  # a case where the check has something to check
+    missed = np.mean([not r.rejected for r in results])
+    assert abs(missed - predicted) < 4 * np.sqrt(predicted * (1 - predicted) / reps), (missed, predicted)
+    estimate, error = noncentrality_per_run((runs, r.pvalue, r.dof) for r in results[:50])
+    assert abs(estimate - delta) < 4 * error, (estimate, delta, error)
+    assert control_miss_probability(delta, 4 * runs, 7, alpha) < predicted / 10  # more draws, fewer misses
+
+
+def test_noncentrality_needs_observations():
+    with pytest.raises(ValueError):
+        noncentrality_per_run([])
