@@ -65,6 +65,13 @@ def heldout_prompts() -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def reference_cache():
+    """Target models' own greedy continuations, shared by the greedy-equality tests (test_greedy.check_prompts,
+    keyed by model object, prompt and length): each is computed once per session, not once per test."""
+    return {}
+
+
+@pytest.fixture(scope="session")
 def bridged_spec(ja_target, ja_draft_bpe):
     from xtokspec import XTokSpec
 

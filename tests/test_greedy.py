@@ -61,9 +61,10 @@ def check_prompts(spec, target, prompts: list[str], n: int, reference_cache: dic
     model, tokenizer = target
     near_ties, failures = [], []
     for prompt in prompts:
-        if prompt not in reference_cache:
-            reference_cache[prompt] = target_generate(model, tokenizer, prompt, n)
-        want = reference_cache[prompt]
+        key = (model, prompt, n)  # by identity; the key keeps the model alive, so no other can take its place
+        if key not in reference_cache:
+            reference_cache[key] = target_generate(model, tokenizer, prompt, n)
+        want = reference_cache[key]
         got = spec.generate(prompt, max_new_tokens=n).token_ids
         if got == want:
             continue
@@ -78,11 +79,6 @@ def check_prompts(spec, target, prompts: list[str], n: int, reference_cache: dic
             failures.append(f"{prompt!r}: lengths differ ({len(got)} vs {len(want)}) with equal prefix")
     assert not failures, "greedy output differs from the target's generate:\n" + "\n".join(failures)
     return near_ties
-
-
-@pytest.fixture(scope="module")
-def reference_cache():
-    return {}
 
 
 @pytest.mark.slow

@@ -44,9 +44,15 @@ def test_every_linear_is_converted_and_the_logits_move_by_rounding_only(converte
     torch.testing.assert_close(after, before, atol=1e-3, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def converted_reference():
+    return {}  # the converted target's own continuations, shared by the chain and the tree case
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tree_width", [1, 4])
-def test_greedy_equals_the_converted_targets_generate(tree_width, converted, heldout_prompts, record_property):
+def test_greedy_equals_the_converted_targets_generate(tree_width, converted, heldout_prompts, converted_reference,
+                                                      record_property):
     """Token-identical to the converted target's own `generate` (float32: only a near-tie may differ, reported
     with its logit margin), for the chain and a token tree; and the draft still proposes (a draft that never
     matched would pass the equality)."""
@@ -54,7 +60,7 @@ def test_greedy_equals_the_converted_targets_generate(tree_width, converted, hel
 
     target, draft = converted[:2]
     spec = XTokSpec(target, draft, config=SpecConfig(tree_width=tree_width))
-    near_ties = check_prompts(spec, target, heldout_prompts[:12], NEW_TOKENS, {})
+    near_ties = check_prompts(spec, target, heldout_prompts[:8], NEW_TOKENS, converted_reference)
     record_property("near_ties", near_ties)
     stats = [spec.generate(p, max_new_tokens=NEW_TOKENS).stats for p in heldout_prompts[:4]]
     assert sum(s.accepted for s in stats) > 0

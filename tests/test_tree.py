@@ -388,7 +388,7 @@ def test_greedy_tree_follows_the_argmax_path():
                                                    ("bridged", 8, "static"), ("same", 4, "dynamic"),
                                                    ("same", 3, "static"), ("bridged", 4, "rows")])
 def test_greedy_tree_equals_target(draft, width, backend, ja_target, ja_draft_bpe, ja_draft_same,
-                                   heldout_prompts, monkeypatch):
+                                   heldout_prompts, reference_cache, monkeypatch):
     """Greedy token trees are lossless: the target's own generate, token for token (or a reported near-tie).
     "rows": the draft's beam as batch rows over a copy of its cache, the path of drafts with sliding-window
     layers (Gemma-3), forced here on the fixture draft."""
@@ -407,7 +407,7 @@ def test_greedy_tree_equals_target(draft, width, backend, ja_target, ja_draft_bp
     assert result.stats.proposal.endswith(" tree") and result.stats.cache.startswith(backend)
     assert max(result.stats.proposal_lengths) > 1  # the tree carried several nodes
     assert bool(copies) == rows  # the beam grew on the draft's own cache, or (rows) in copied batch rows
-    for line in check_prompts(spec, ja_target, heldout_prompts[:16] + HOSTILE_PROMPTS, NEW_TOKENS, {}):
+    for line in check_prompts(spec, ja_target, heldout_prompts[:16] + HOSTILE_PROMPTS, NEW_TOKENS, reference_cache):
         print("near-tie:", line)
 
 
