@@ -158,5 +158,5 @@ def test_static_cache_greedy_equals_target(draft, ja_target, ja_draft_bpe, ja_dr
     spec = XTokSpec(ja_target, ja_draft_bpe if draft == "bridged" else ja_draft_same, config=SpecConfig(cache="static"))
     result = spec.generate(heldout_prompts[0], max_new_tokens=4)
     assert result.stats.cache == "static/static"
-    for line in check_prompts(spec, ja_target, heldout_prompts + HOSTILE_PROMPTS, NEW_TOKENS, reference_cache):
+    for line in check_prompts(spec, ja_target, heldout_prompts[:24] + HOSTILE_PROMPTS, NEW_TOKENS, reference_cache):
         print("near-tie:", line)
