@@ -7,7 +7,7 @@ import torch
 from model_helpers import tiny_llama, tiny_neox
 
 from xtokspec import SpecConfig, XTokSpecError
-from xtokspec.cache import CACHE_BACKENDS, ModelState, choose_backend
+from xtokspec.cache import CACHE_BACKENDS, ModelState, cache_keyword, choose_backend
 
 BACKENDS = pytest.mark.parametrize("backend", CACHE_BACKENDS)
 
@@ -107,6 +107,33 @@ def test_static_cache_refuses_to_overflow(sp_tokenizer):
     assert state.capacity == 256
     with pytest.raises(RuntimeError, match="299 ids exceed the cache's 256 positions"), torch.inference_mode():
         state.forward(keep=1)
+
+
+def test_the_cache_goes_by_the_keyword_the_models_forward_takes(sp_tokenizer):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40;
+    pyproject turns that warning into an error in every test): each model is called by its own forward's name."""
+    import inspect
+
+    for model in (tiny_llama(sp_tokenizer), tiny_neox(sp_tokenizer)):
+        names = inspect.signature(model.forward).parameters
+        assert cache_keyword(model) == ("cache" if "cache" in names else "past_key_values")
+        assert cache_keyword(model) in names
+
+    class OldStyle(torch.nn.Module):  # a remote-code model that never moved
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return None
+
+    assert cache_keyword(OldStyle()) == "past_key_values"
+
+    # a forward wrapped on the instance, taking only *args and **kwargs, goes by the class's forward
+    model = tiny_neox(sp_tokenizer)
+    class_name = cache_keyword(model)
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: forward(*args, **kwargs)
+    assert cache_keyword(model) == class_name
+    old = OldStyle()
+    old.forward = lambda *args, **kwargs: None
+    assert cache_keyword(old) == "past_key_values"
 
 
 def test_backend_choice(sp_tokenizer):

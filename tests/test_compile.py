@@ -5,6 +5,7 @@ model computes what the eager one does (greedy ids equal the target's own genera
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -137,7 +138,8 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, ti
         caches.append([spec._idle_kv[id(model)] for model in (spec.target_model, spec.draft_model)])
     reasons = [str(reason) for failures in guard_failures.values() for reason in failures]
     assert reasons, "no recompilation at all: the guard record is not being read"
-    assert not [r for r in reasons if "past_key_values" in r and "size mismatch" in r], reasons
+    # the cache's guard names the forward's keyword: 'cache' from transformers 5.24 on, 'past_key_values' before
+    assert not [r for r in reasons if re.search(r"\['(cache|past_key_values)'\]", r) and "size mismatch" in r], reasons
     assert all(pair[0] is caches[0][0] and pair[1] is caches[0][1] for pair in caches)
     # every new shape is announced once (a compile inside a generation says so), none twice
     compiling = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]

@@ -29,6 +29,7 @@ lives for one cycle).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -52,6 +53,26 @@ MIN_BUFFER_CAPACITY = 256
 def padded_length(length: int) -> int | None:
     """The bucket a compiled forward over `length` ids is padded to, or None past the largest (run eagerly)."""
     return next((b for b in COMPILE_BUCKETS if b >= length), None)
+
+
+def cache_keyword(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: "cache" from transformers 5.24 on, which deprecates
+    "past_key_values" (a FutureWarning per call site; removed in 5.40), and "past_key_values" before that and in
+    models that have not moved (remote code, older classes).
+
+    A forward wrapped on the instance (a hook, a profiler, a test's slowed forward) usually takes only
+    `*args, **kwargs` and names neither: then the class's own forward (or a compiled module's original) decides.
+    """
+    for forward in (getattr(model, "forward", None), getattr(type(model), "forward", None),
+                    getattr(getattr(model, "_orig_mod", None), "forward", None)):
+        try:
+            parameters = inspect.signature(forward).parameters
+        except (TypeError, ValueError):  # absent, or without an inspectable signature
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+    return "past_key_values"  # the long-standing name
 
 
 def buffer_capacity(needed: int, limit: int) -> int:
@@ -256,16 +277,18 @@ class CompiledStep:
         self.cuda = input_device(model).type == "cuda"
         self.mode = "reduce-overhead" if self.cuda else None  # CUDA graphs
         self.compiled = torch.compile(model, mode=self.mode, dynamic=False)
+        self.cache_keyword = cache_keyword(model)
         self.compiled_move = None  # keep_path's move, compiled at its first use (a target's, with trees)
         self.role = role
         self.shapes: set[tuple] = set()  # (ids, buffer size, tree mask) per forward; (positions, size, "move")
 
-    def __call__(self, *, input_ids: torch.Tensor, past_key_values, **kwargs):
-        layers = getattr(past_key_values, "layers", None) or [None]
+    def __call__(self, *, input_ids: torch.Tensor, **kwargs):
+        """The compiled forward; `kwargs` name the cache by the model's `cache_keyword`."""
+        layers = getattr(kwargs.get(self.cache_keyword), "layers", None) or [None]
         tree = kwargs.get("attention_mask") is not None  # a tree-masked forward: its own graph
         shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None), tree)
         what = f"the {self.role}'s {shape[0]}-id {'tree ' if tree else ''}step over a {shape[1]}-position cache"
-        return self._run(shape, what, self.compiled, input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        return self._run(shape, what, self.compiled, input_ids=input_ids, **kwargs)
 
     def move_positions(self, tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
         """`move_positions`, compiled once per index length (the buckets) and buffer size: eagerly two small
@@ -319,6 +342,7 @@ class ModelState:
         self.model = model
         self.step = step
         self.device = input_device(model)
+        self.cache_keyword = cache_keyword(model)  # "cache" or "past_key_values", by transformers version
         self.ids = list(ids)
         self.backend = backend
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
@@ -365,7 +389,7 @@ class ModelState:
             padded = to_device([new + [PAD_ID] * (bucket - len(new))], self.device)
             return self._run_step(padded, len(new))[len(new) - keep :]  # (keep, V)
         input_ids = to_device([new], self.device)  # (1, T)
-        out = self.model(input_ids=input_ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=keep)
+        out = self._forward(self.model, input_ids, logits_to_keep=keep)
         self.kv.advance(len(new))
         return out.logits[0]  # (keep, V)
 
@@ -386,7 +410,7 @@ class ModelState:
     def _run_step(self, padded: torch.Tensor, length: int) -> torch.Tensor:
         """Compiled forward over (1, bucket) ids of which the first `length` are real -> (length, V) logits."""
         start = self.cached
-        out = self.step(input_ids=padded, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=padded.shape[1])
+        out = self._forward(self.step, padded, logits_to_keep=padded.shape[1])
         self.kv.advance(padded.shape[1])
         self.kv.rollback(start + length)  # the padding's positions
         # NOTE: clone: a CUDA graph's output buffer is overwritten by its next replay.
@@ -401,9 +425,20 @@ class ModelState:
             raise RuntimeError(f"{self.cached + tokens.shape[1]} ids exceed the cache's {self.capacity} positions")
         if self._bucket(tokens.shape[1]) == tokens.shape[1]:
             return self._run_step(tokens, tokens.shape[1])
-        out = self.model(input_ids=tokens, past_key_values=self.kv.cache, use_cache=True)
+        out = self._forward(self.model, tokens)
         self.kv.advance(tokens.shape[1])
         return out.logits[0]  # (T, V)
+
+    def _forward(self, call, input_ids: torch.Tensor, cache=None, **kwargs):
+        """`call` (the model or its compiled step) over `input_ids` with `cache` (default: this state's), named
+        by the installed transformers' keyword."""
+        kwargs[self.cache_keyword] = self.kv.cache if cache is None else cache
+        return call(input_ids=input_ids, use_cache=True, **kwargs)
+
+    def forward_rows(self, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """One id per row of a `branches` cache (B, 1) -> the next-token logits (B, V); this state's own cache and
+        ids are untouched."""
+        return self._forward(self.model, tokens, cache=cache).logits[:, -1]
 
     def truncate(self, n: int) -> None:
         """Keep ids[:n]; roll the cache back to at most n positions."""
@@ -499,12 +534,12 @@ class ModelState:
                       position_ids=to_device([positions], self.device))
         keep = n + (u > 0)
         if bucket:
-            out = self.step(input_ids=ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=width, **kwargs)
+            out = self._forward(self.step, ids, logits_to_keep=width, **kwargs)
             self.kv.advance(width)
             self.kv.rollback(start + rows)  # the padding's positions
             # NOTE: clone: a CUDA graph's output buffer is overwritten by its next replay.
             return out.logits[0, rows - keep : rows].clone()
-        out = self.model(input_ids=ids, past_key_values=self.kv.cache, use_cache=True, logits_to_keep=keep, **kwargs)
+        out = self._forward(self.model, ids, logits_to_keep=keep, **kwargs)
         self.kv.advance(rows)
         return out.logits[0]  # (keep, V)
 

@@ -1116,7 +1116,7 @@ class _Run:
                 else:
                     select_rows(cache, rows)
                 tokens = to_device([[t] for _, _, t, _ in frontier], draft.device)  # (B, 1)
-                logits = draft.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]  # (B, Vd)
+                logits = draft.forward_rows(tokens, cache)  # (B, Vd)
             steps += 1
             probs = self._tree_probs(logits)  # (B, Vd)
             paths = [paths[r] + [t] for _, r, t, _ in frontier]

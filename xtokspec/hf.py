@@ -10,7 +10,7 @@ streamer each verified token.
 What it cannot do losslessly it refuses with an error that names it: a batch of several sequences, beam search,
 scores or logits in the output, and any logits processor other than temperature / top-k / top-p.
 
-NOTE (transformers 5.23): `generate` drops `streamer` and `tokenizer` (and so `stop_strings`) before calling a
+NOTE (transformers 5.23, 5.24): `generate` drops `streamer` and `tokenizer` (and so `stop_strings`) before calling a
 *callable* custom_generate (`_extract_generation_mode_kwargs` keeps only the callable's own extra arguments).
 `install(model, fn)` therefore wraps that one method on the target model instance: for calls whose
 custom_generate is `fn` it returns the standard arguments (streamer, tokenizer, ...) plus xtokspec's own
