@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_run.sh 8 test|bridged|same   # captured trees: the CUDA test, or the 13B-shape loop per draft
 #   bash benchmarks/gpu_run.sh 9   # per-call costs at the 13B shapes with the tree-masked 8/16/32-row verifications
 #   bash benchmarks/gpu_run.sh 10  # correctness in one call: the CUDA tests and the chi-square cases not yet run there
+#   bash benchmarks/gpu_run.sh 11  # three dynamic-cache chi-square cases, then the warmed-up captured bridged tree loop
+#   bash benchmarks/gpu_run.sh 12  # the CUDA tests and the control that missed on CUDA, with its second look
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -88,6 +90,13 @@ case "${1:-1}" in
   XTOKSPEC_TEST_DEVICE=cuda step 150 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 3 \
     --durations=0 tests/test_stats.py -k "end_to_end_sampling_matches_target and dynamic"
   step 400 loopt-bridged python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts bridged --out "$OUT/loopt-bridged"
+  ;;
+12)  # the eighteenth session: every CUDA test (with the carried transformers, since 5.24 the forward's `cache`
+     # keyword) and the dynamic same-tokenizer chi-square case, whose q^2 control missed on CUDA in the seventeenth
+     # session at its single look (p=1.9e-4 at 500 runs) and now takes a second look sized by its measured power
+  XTOKSPEC_TEST_DEVICE=cuda step 560 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 8 \
+    --durations=0 tests/test_gpu.py tests/test_cache.py \
+    tests/test_stats.py -k "test_gpu or test_cache or (end_to_end_sampling_matches_target and dynamic-same)"
   ;;
 esac
 # one archive: the device returns at most 8 files
