@@ -168,6 +168,18 @@ def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeyp
     assert sorted(warmed) == [1, 1, 2]  # the chosen systems only: two chains and the bridged draft's width-2 tree
 
 
+def test_systems_that_do_not_run_are_refused_before_anything_is_timed(tmp_path, capsys):
+    """--systems names a system that no mode has, or only systems that a mode lacks (greedy's xtokspec-bridged at
+    T=0.7, where the bridged chains are named by their proposal): refused with what exists, before any run."""
+    for systems, message in ((["xtokspec-brigded"], "no system named ['xtokspec-brigded']"),
+                             (["xtokspec-bridged"], "none of ['xtokspec-bridged'] runs in mode T=0.7")):
+        assert main(["bench", "--modes", "greedy", "T=0.7", "--prompts", "1", "--no-progress", "--out",
+                     str(tmp_path), "--systems", *systems]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "xtokspec-bridged-intersection" in err, err
+    assert not (tmp_path / "fixtures" / "results.json").exists()
+
+
 def test_report_only_without_an_earlier_run_names_the_missing_file(tmp_path, capsys):
     assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
     assert "results.json" in capsys.readouterr().err

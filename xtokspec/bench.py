@@ -295,6 +295,10 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
     chosen = {m: {name: fn for name, fn in systems.items() if not only or name in only or name == "target"}
               for m, systems in every.items()}
+    for m, systems in chosen.items():  # e.g. greedy's "xtokspec-bridged" asked for at T=0.7, where it has a proposal
+        if only and set(systems) == {"target"}:
+            raise XTokSpecError(f"--systems: none of {sorted(only)} runs in mode {m}, so it would time the target "
+                                f"alone; that mode has {sorted(set(every[m]) - {'target'})}")
     if compile:  # every shape of every chosen xtokspec system now, so that no timed run stops to compile
         longest = max(prompts, key=len)
         shapes = {(id(fn.spec), fn.tree_width): fn for systems in chosen.values() for fn in systems.values()
