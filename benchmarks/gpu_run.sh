@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_run.sh 10  # correctness in one call: the CUDA tests and the chi-square cases not yet run there
 #   bash benchmarks/gpu_run.sh 11  # three dynamic-cache chi-square cases, then the warmed-up captured bridged tree loop
 #   bash benchmarks/gpu_run.sh 12  # the CUDA tests and the control that missed on CUDA, with its second look
+#   bash benchmarks/gpu_run.sh 13  # issue 10's T=0.7 figures on the fixture preset, measured on the GPU
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -97,6 +98,13 @@ case "${1:-1}" in
   XTOKSPEC_TEST_DEVICE=cuda step 560 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 8 \
     --durations=0 tests/test_gpu.py tests/test_cache.py \
     tests/test_stats.py -k "test_gpu or test_cache or (end_to_end_sampling_matches_target and dynamic-same)"
+  ;;
+13)  # issue 10's figures at T=0.7 on the fixture preset, measured on the GPU (eager, CUDA's static cache), with
+     # and without the fallback to the target alone: bridged tree vs bridged chains and vs the same-tokenizer chain
+  step 540 fixtures-t07 xtokspec bench --preset fixtures --device cuda --prompts ${2:-12} --modes T=0.7 --tree-widths 4 \
+    --always-draft --no-progress --systems xtokspec-same xtokspec-bridged-onehot xtokspec-bridged-intersection \
+    xtokspec-bridged-auto xtokspec-bridged-tree4 xtokspec-same-always xtokspec-bridged-onehot-always \
+    xtokspec-bridged-intersection-always xtokspec-bridged-auto-always xtokspec-bridged-tree4-always --out "$OUT/fixtures-t07"
   ;;
 esac
 # one archive: the device returns at most 8 files
