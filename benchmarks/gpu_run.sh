@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_run.sh 11  # three dynamic-cache chi-square cases, then the warmed-up captured bridged tree loop
 #   bash benchmarks/gpu_run.sh 12  # the CUDA tests and the control that missed on CUDA, with its second look
 #   bash benchmarks/gpu_run.sh 13  # issue 10's T=0.7 figures on the fixture preset, measured on the GPU
+#   bash benchmarks/gpu_run.sh 14  # the same tree and chain with CUDA graphs (compile=True), drafting every cycle
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -105,6 +106,13 @@ case "${1:-1}" in
     --always-draft --no-progress --systems xtokspec-same xtokspec-bridged-onehot xtokspec-bridged-intersection \
     xtokspec-bridged-auto xtokspec-bridged-tree4 xtokspec-same-always xtokspec-bridged-onehot-always \
     xtokspec-bridged-intersection-always xtokspec-bridged-auto-always xtokspec-bridged-tree4-always --out "$OUT/fixtures-t07"
+  ;;
+14)  # eager, the fixture target (24 narrow layers) costs ~12 draft steps (2 layers) a call in launches alone;
+     # captured, both cost little: the tree and the intersection chain compiled, drafting every cycle. The
+     # eighteenth session's try, limited to 380 s, was still compiling (the two systems' buckets) when it stopped
+  step 560 fixtures-t07c xtokspec bench --preset fixtures --device cuda --compile --prompts 12 --max-new-tokens 64 \
+    --modes T=0.7 --tree-widths 4 --always-draft --no-progress --systems xtokspec-bridged-tree4-always \
+    xtokspec-bridged-intersection-always --out "$OUT/fixtures-t07c"
   ;;
 esac
 # one archive: the device returns at most 8 files
