@@ -107,7 +107,7 @@ case "${1:-1}" in
     xtokspec-bridged-auto xtokspec-bridged-tree4 xtokspec-same-always xtokspec-bridged-onehot-always \
     xtokspec-bridged-intersection-always xtokspec-bridged-auto-always xtokspec-bridged-tree4-always --out "$OUT/fixtures-t07"
   ;;
-14)  # eager, the fixture target (24 narrow layers) costs ~12 draft steps (2 layers) a call in launches alone;
+14)  # eager, the fixture target (24 narrow layers) costs ~6-7 draft steps (2 layers) a call, in launches;
      # captured, both cost little: the tree and the intersection chain compiled, drafting every cycle. The
      # eighteenth session's try, limited to 380 s, was still compiling (the two systems' buckets) when it stopped
   step 560 fixtures-t07c xtokspec bench --preset fixtures --device cuda --compile --prompts 12 --max-new-tokens 64 \
