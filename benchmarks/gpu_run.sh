@@ -93,7 +93,7 @@ case "${1:-1}" in
     --durations=0 tests/test_stats.py -k "end_to_end_sampling_matches_target and dynamic"
   step 400 loopt-bridged python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts bridged --out "$OUT/loopt-bridged"
   ;;
-12)  # the eighteenth session: every CUDA test (with the carried transformers, since 5.24 the forward's `cache`
+12)  # the nineteenth session: every CUDA test (with the carried transformers, since 5.24 the forward's `cache`
      # keyword) and the dynamic same-tokenizer chi-square case, whose q^2 control missed on CUDA in the seventeenth
      # session at its single look (p=1.9e-4 at 500 runs) and now takes a second look sized by its measured power
   XTOKSPEC_TEST_DEVICE=cuda step 560 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 8 \
@@ -109,7 +109,7 @@ case "${1:-1}" in
   ;;
 14)  # eager, the fixture target (24 narrow layers) costs ~6-7 draft steps (2 layers) a call, in launches;
      # captured, both cost little: the tree and the intersection chain compiled, drafting every cycle. The
-     # eighteenth session's try, limited to 380 s, was still compiling (the two systems' buckets) when it stopped
+     # nineteenth session's try, limited to 380 s, was still compiling (the two systems' buckets) when it stopped
   step 560 fixtures-t07c xtokspec bench --preset fixtures --device cuda --compile --prompts 12 --max-new-tokens 64 \
     --modes T=0.7 --tree-widths 4 --always-draft --no-progress --systems xtokspec-bridged-tree4-always \
     xtokspec-bridged-intersection-always --out "$OUT/fixtures-t07c"
