@@ -136,6 +136,30 @@ def test_the_cache_goes_by_the_keyword_the_models_forward_takes(sp_tokenizer):
     assert cache_keyword(old) == "past_key_values"
 
 
+FAMILIES = {  # the mission pair's (llm-jp: GPT-2, open-calm: GPT-NeoX), the fixtures' and the real preset's
+    "gpt2": dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64),
+    "llama": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64),
+    "qwen2": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64, vocab_size=64),
+    "gemma3_text": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=64, vocab_size=64, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_fills_the_cache_passed_under_its_keyword(family):
+    """A cache passed under a name the forward does not take would vanish into **kwargs: the model would run
+    without it and nothing would fail until the outputs diverged. Each family fills the cache it is given."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    config = AutoConfig.for_model(family, **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config)
+    cache = DynamicCache(config=config)
+    model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_keyword(model): cache})
+    assert cache.get_seq_length() == 3
+
+
 def test_backend_choice(sp_tokenizer):
     model = tiny_llama(sp_tokenizer, seed=7)
     assert choose_backend(model, "auto") == "dynamic"  # CPU
