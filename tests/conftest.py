@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 from model_helpers import FIXTURES, load_fixture_model, load_tokenizer, tiny_llama, tiny_neox
+
+# `reference` (the NumPy oracle) is not installed with xtokspec: it is read from the source tree. Appended, so
+# that the installed xtokspec (tox builds a wheel) still comes before the source tree's copy.
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 
 
 def pytest_configure(config):

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-import reference  # NOTE: before tests/ joins sys.path, where tests/reference would shadow it
 from xtokspec import XTokSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree first: `reference` is not installed, and a regular package there wins over the namespace
+# directory tests/reference
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import test_stats  # noqa: E402
 from model_helpers import load_fixture_model  # noqa: E402
+
+import reference  # noqa: E402
 
 
 def pooled_dof(exact: dict, runs: int) -> int:

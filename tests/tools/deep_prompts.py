@@ -20,13 +20,17 @@ from pathlib import Path
 import torch
 from scipy import stats as scipy_stats
 
-import reference  # NOTE: before tests/ joins sys.path, where tests/reference would shadow it
 from xtokspec import XTokSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the source tree first: `reference` is not installed, and a regular package there wins over the namespace
+# directory tests/reference
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import test_stats  # noqa: E402
 from model_helpers import FIXTURES, load_fixture_model  # noqa: E402
 from test_stats import LENGTH, NUM_DRAFT_TOKENS, SETTINGS  # noqa: E402
+
+import reference  # noqa: E402
 
 PATHS = ("same-tokenizer", "onehot", "intersection")
 
