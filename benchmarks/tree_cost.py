@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from xtokspec.cache import ModelState
-from xtokspec.models import onednn_linears, resolve
+from xtokspec.models import CPU_LINEARS, onednn_linears, resolve
 from xtokspec.tree import Trie
 
 NODES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda")
-    parser.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+    parser.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                         help="onednn: the model's linears packed for oneDNN (float32 CPU; models.onednn_linears)")
     parser.add_argument("--out", default="bench-out/tree-cost")
     args = parser.parse_args()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .models import fixture_model, fixtures_dir, onednn_linears
+from .models import CPU_LINEARS, fixture_model, fixtures_dir, onednn_linears
 from .types import SpecConfig, XTokSpecError, expected_tokens
 
 CACHE_ENV = "XTOKSPEC_CACHE"  # where benchmarks/real_models.py puts the converted real models
@@ -650,7 +650,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
-    bench.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+    bench.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                        help="onednn: every model's linears packed for oneDNN (float32 CPU only; faster short "
                             "forwards on CPUs without bfloat16 units; BENCHMARKS.md, 'oneDNN linears')")
     bench.add_argument("--compile", action="store_true",

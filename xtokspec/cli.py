@@ -7,7 +7,7 @@ import logging
 import sys
 
 from .bench import add_bench_parser, calibration_lines, read_text
-from .models import FIXTURE_NAMES
+from .models import CPU_LINEARS, FIXTURE_NAMES
 from .types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=_DTYPES, default="auto",
                      help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
                      "Python API load it (bfloat16 for the bundled models)")
-    gen.add_argument("--cpu-linears", choices=("torch", "onednn"), default="torch",
+    gen.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                      help="onednn: both models' linears packed for oneDNN (float32 on the CPU): shorter verification "
                      "forwards on CPUs without bfloat16 units; the output is the converted target's (README)")
     gen.add_argument("--target-device", default=None, help="e.g. cuda:0, or auto (accelerate device_map)")

@@ -133,6 +133,10 @@ def cpu_bf16_note(model, role: str) -> str | None:
             "(BENCHMARKS.md, 'Falling back to the target alone')")
 
 
+# The values of the `--cpu-linears` options (xtokspec generate, xtokspec bench, benchmarks/tree_cost.py)
+CPU_LINEARS = ("torch", "onednn")
+
+
 def onednn_linears(model: torch.nn.Module, keep_head: bool = False) -> int:
     """Replace every `nn.Linear` of a float32 CPU model, in place, by oneDNN's (`torch.utils.mkldnn`) linear with
     its weight packed once; returns how many. On a CPU without bfloat16 units torch's float32 linear (MKL) costs
