@@ -1,0 +1,153 @@
+"""A prediction, from `root_acceptance.py`'s per-position figures: how many tokens a target call would commit if
+the sampled rule (candidates drawn from the draft and tested against it, as a sampled tree root is) held at every
+level of a tree, not just at its root.
+
+`root_acceptance.py` reads, along the target's own sampled continuation of each prompt, the chance a(t) that
+each way of proposing accepts the token at position t, with the draft re-reading the committed text there. A
+tree of shape (m_1, ..., m_D) drafts m_1 candidates at the root and m_{i+1} below each candidate of depth i, and
+commits one token more than the levels it accepts, so its tokens per call are predicted as
+
+    E = 1 + a_1(t) + a_1(t) a_2(t+1) + ... + a_1(t) ... a_D(t+D-1),   a_i = the figure for m_i candidates,
+
+averaged over the positions t whose next 2 positions also have figures (whole characters; the same positions
+for every shape). This is a
+**prediction**, not a measurement: it takes the target's own next token as the one the walk descends with (given
+that a level accepts, the token accepted leans towards the draft's candidates), and it gives every node below the
+root a draft that re-reads the committed text, which today's tree does not (its deeper candidates are the draft's
+beam, bridged, under the one-hot rule). The chains' rows (`onehot`, `intersection`; every level one proposal) and
+a stand-in for today's tree (sampled root, the one-hot top-m rule below) are computed the same way, so that they
+can be checked against the loop's measured tokens per call (BENCHMARKS.md, "Sampled tree roots").
+
+    python benchmarks/sampled_depth.py benchmarks/root-acceptance/root_acceptance-fixtures-T0.7.json
+
+Prints a Markdown table; with matplotlib installed, writes a plot of predicted tokens per call against nodes
+verified next to the input file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+# (label, the figure used at each level, candidates per node at each level)
+SHAPES = [
+    ("one-hot chain, K=1", ["onehot"], [1]),
+    ("one-hot chain, K=2", ["onehot"] * 2, [1, 1]),
+    ("intersection chain, K=1", ["intersection"], [1]),
+    ("intersection chain, K=2", ["intersection"] * 2, [1, 1]),
+    ("intersection chain, K=3", ["intersection"] * 3, [1, 1, 1]),
+    ("today's tree (stand-in): sampled 4, then top-1", ["sampled-4", "top-1"], [4, 1]),
+    ("today's tree (stand-in): sampled 4, then top-2", ["sampled-4", "top-2"], [4, 2]),
+    ("today's tree (stand-in): sampled 4, then top-1, top-1", ["sampled-4", "top-1", "top-1"], [4, 1, 1]),
+    ("today's tree (stand-in): sampled 4, then top-2, top-1", ["sampled-4", "top-2", "top-1"], [4, 2, 1]),
+    ("sampled at every level (4, 1)", ["sampled-4", "sampled-1"], [4, 1]),
+    ("sampled at every level (4, 2)", ["sampled-4", "sampled-2"], [4, 2]),
+    ("sampled at every level (4, 1, 1)", ["sampled-4", "sampled-1", "sampled-1"], [4, 1, 1]),
+    ("sampled at every level (4, 2, 1)", ["sampled-4", "sampled-2", "sampled-1"], [4, 2, 1]),
+    ("sampled at every level (4, 4)", ["sampled-4", "sampled-4"], [4, 4]),
+    ("sampled at every level (4, 4, 2)", ["sampled-4", "sampled-4", "sampled-2"], [4, 4, 2]),
+    ("sampled at every level (8, 2, 1)", ["sampled-8", "sampled-2", "sampled-1"], [8, 2, 1]),
+]
+
+
+def nodes(widths: list[int]) -> int:
+    """Nodes the target verifies for a full tree of this shape."""
+    total, level = 0, 1
+    for m in widths:
+        level *= m
+        total += level
+    return total
+
+
+def predict(rows: list[dict], keys: list[str], depth: int) -> tuple[float, float, int]:
+    """(mean predicted tokens per call, its standard error over positions, positions used). Only positions whose
+    next `depth` - 1 positions have figures are used, the same for every shape, so that shapes compare paired."""
+    values = per_position(rows, keys, depth)
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
+    return mean, math.sqrt(var / len(values)), len(values)
+
+
+def paired(rows: list[dict], keys: list[str], base: list[str], depth: int) -> tuple[float, float]:
+    """(mean of `keys`' prediction minus `base`'s, position by position; its standard error)."""
+    diffs = [a - b for a, b in zip(per_position(rows, keys, depth), per_position(rows, base, depth), strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
+
+
+def per_position(rows: list[dict], keys: list[str], depth: int) -> list[float]:
+    """Predicted tokens per call at each usable position, in the rows' order."""
+    at = {(r["prompt"], r["position"]): r for r in rows}
+    values = []
+    for (prompt, position) in at:
+        if any((prompt, position + i) not in at for i in range(depth)):
+            continue
+        run = [at[(prompt, position + i)] for i in range(len(keys))]
+        tokens, reach = 1.0, 1.0
+        for r, key in zip(run, keys, strict=True):
+            reach *= r[key]
+            tokens += reach
+        values.append(tokens)
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", help="root_acceptance-*.json files")
+    args = parser.parse_args()
+    for name in args.inputs:
+        path = Path(name)
+        data = json.loads(path.read_text())
+        rows, run = data["rows"], data["args"]
+        print(f"\n{run['preset']}, T={run['temperature']} ({path}); PREDICTED tokens per target call:\n")
+        print("| shape | nodes verified | predicted tokens per call (s.e.) | positions |")
+        print("|---|---|---|---|")
+        points = []
+        depth = max(len(keys) for _, keys, _ in SHAPES)
+        for label, keys, widths in SHAPES:
+            mean, se, used = predict(rows, keys, depth)
+            points.append((label, nodes(widths), mean))
+            print(f"| {label} | {nodes(widths)} | {mean:.2f} ({se:.2f}) | {used} |")
+        print("\nThe sampled rule below the root, paired against today's rule (one-hot top-m) in a tree of the same "
+              "shape:\n")
+        print("| shape | predicted tokens per call, sampled below the root minus one-hot below (s.e.) | ratio |")
+        print("|---|---|---|")
+        shapes = {(tuple(widths), "today" in label): keys for label, keys, widths in SHAPES if "chain" not in label}
+        for (widths, today), keys in shapes.items():
+            base = shapes.get((widths, True))
+            if today or base is None:
+                continue
+            diff, se = paired(rows, keys, base, depth)
+            ratio = predict(rows, keys, depth)[0] / predict(rows, base, depth)[0]
+            print(f"| {widths} | {diff:+.3f} ({se:.3f}) | {ratio:.3f} |")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, n, mean in points:
+            kind = "chain" if "chain" in label else ("today" if "today" in label else "sampled")
+            style = {"chain": ("tab:gray", "s"), "today": ("tab:blue", "o"), "sampled": ("tab:orange", "^")}[kind]
+            ax.scatter(n, mean, color=style[0], marker=style[1])
+            ax.annotate(label.split(": ")[-1].replace("sampled at every level ", ""), (n, mean),
+                        textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes verified per target call (full tree)")
+        ax.set_ylabel("predicted tokens per target call")
+        ax.set_title(f"{run['preset']}, T={run['temperature']}: PREDICTION from per-position acceptance\n"
+                     "grey: chains, blue: today's tree (stand-in), orange: sampled rule at every level", fontsize=9)
+        ax.grid(alpha=0.3)
+        out = path.with_name(path.stem + "-depth.png")
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+        print(f"\nplot: {out}")
+
+
+if __name__ == "__main__":
+    main()
