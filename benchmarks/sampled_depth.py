@@ -136,7 +136,8 @@ def main() -> None:
             style = {"chain": ("tab:gray", "s"), "today": ("tab:blue", "o"), "sampled": ("tab:orange", "^")}[kind]
             ax.scatter(n, mean, color=style[0], marker=style[1])
             ax.annotate(label.split(": ")[-1].replace("sampled at every level ", ""), (n, mean),
-                        textcoords="offset points", xytext=(4, 3), fontsize=7)
+                        textcoords="offset points", xytext=(5, -10) if kind == "today" else (4, 3), fontsize=7,
+                        color=style[0])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("nodes verified per target call (full tree)")
         ax.set_ylabel("predicted tokens per target call")
