@@ -61,34 +61,24 @@ def nodes(widths: list[int]) -> int:
     return total
 
 
-def predict(rows: list[dict], keys: list[str], depth: int) -> tuple[float, float, int]:
-    """(mean predicted tokens per call, its standard error over positions, positions used). Only positions whose
-    next `depth` - 1 positions have figures are used, the same for every shape, so that shapes compare paired."""
-    values = per_position(rows, keys, depth)
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean)."""
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
-    return mean, math.sqrt(var / len(values)), len(values)
+    return mean, math.sqrt(var / len(values))
 
 
-def paired(rows: list[dict], keys: list[str], base: list[str], depth: int) -> tuple[float, float]:
-    """(mean of `keys`' prediction minus `base`'s, position by position; its standard error)."""
-    diffs = [a - b for a, b in zip(per_position(rows, keys, depth), per_position(rows, base, depth), strict=True)]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs))
-
-
-def per_position(rows: list[dict], keys: list[str], depth: int) -> list[float]:
-    """Predicted tokens per call at each usable position, in the rows' order."""
-    at = {(r["prompt"], r["position"]): r for r in rows}
+def per_position(at: dict, keys: list[str], depth: int) -> list[float]:
+    """Predicted tokens per call at each usable position of `at` ((prompt, position) -> figures). Only positions
+    whose next `depth` - 1 positions have figures are used, the same for every shape, so that shapes compare
+    paired, position by position."""
     values = []
     for (prompt, position) in at:
         if any((prompt, position + i) not in at for i in range(depth)):
             continue
-        run = [at[(prompt, position + i)] for i in range(len(keys))]
         tokens, reach = 1.0, 1.0
-        for r, key in zip(run, keys, strict=True):
-            reach *= r[key]
+        for i, key in enumerate(keys):
+            reach *= at[(prompt, position + i)][key]
             tokens += reach
         values.append(tokens)
     return values
@@ -105,23 +95,25 @@ def main() -> None:
         print(f"\n{run['preset']}, T={run['temperature']} ({path}); PREDICTED tokens per target call:\n")
         print("| shape | nodes verified | predicted tokens per call (s.e.) | positions |")
         print("|---|---|---|---|")
-        points = []
         depth = max(len(keys) for _, keys, _ in SHAPES)
-        for label, keys, widths in SHAPES:
-            mean, se, used = predict(rows, keys, depth)
+        at = {(r["prompt"], r["position"]): r for r in rows}
+        values = {label: per_position(at, keys, depth) for label, keys, _ in SHAPES}
+        points = []
+        for label, _, widths in SHAPES:
+            mean, se = mean_se(values[label])
             points.append((label, nodes(widths), mean))
-            print(f"| {label} | {nodes(widths)} | {mean:.2f} ({se:.2f}) | {used} |")
+            print(f"| {label} | {nodes(widths)} | {mean:.2f} ({se:.2f}) | {len(values[label])} |")
         print("\nThe sampled rule below the root, paired against today's rule (one-hot top-m) in a tree of the same "
               "shape:\n")
         print("| shape | predicted tokens per call, sampled below the root minus one-hot below (s.e.) | ratio |")
         print("|---|---|---|")
-        shapes = {(tuple(widths), "today" in label): keys for label, keys, widths in SHAPES if "chain" not in label}
-        for (widths, today), keys in shapes.items():
-            base = shapes.get((widths, True))
+        trees = {(tuple(widths), "today" in label): label for label, _, widths in SHAPES if "chain" not in label}
+        for (widths, today), label in trees.items():
+            base = trees.get((widths, True))
             if today or base is None:
                 continue
-            diff, se = paired(rows, keys, base, depth)
-            ratio = predict(rows, keys, depth)[0] / predict(rows, base, depth)[0]
+            diff, se = mean_se([a - b for a, b in zip(values[label], values[base], strict=True)])
+            ratio = mean_se(values[label])[0] / mean_se(values[base])[0]
             print(f"| {widths} | {diff:+.3f} ({se:.3f}) | {ratio:.3f} |")
         try:
             import matplotlib
