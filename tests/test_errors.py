@@ -25,6 +25,10 @@ from xtokspec import XTokSpec, XTokSpecError
         ("東京", {"num_draft_tokens": 2.5}, "num_draft_tokens must be an integer, got 2.5"),
         ("東京", {"num_draft_tokens": True}, "num_draft_tokens must be an integer, got True"),
         ("東京", {"tree_width": 0}, "tree_width must be an integer >= 1"),
+        # a SpecConfig field that generate() does not take per call: where it goes, not a TypeError
+        ("東京", {"fallback": False}, r"'fallback' is set once per XTokSpec: XTokSpec\(\.\.\., config=SpecConfig"),
+        ("東京", {"temprature": 0.7}, "'temprature' is not an option \\(did you mean 'temperature'\\?\\)"),
+        ("東京", {"max_length": 8}, "'max_length' is not an option. They take: do_sample, "),
     ],
 )
 def test_bad_arguments_are_named(tiny_spec, prompt, kwargs, match):
