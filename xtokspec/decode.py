@@ -22,6 +22,7 @@ import bisect
 import collections
 import dataclasses
 import difflib
+import inspect
 import itertools
 import math
 import statistics
@@ -90,23 +91,24 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-# keywords generate() and stream() take besides the sampling ones; the other SpecConfig fields are per XTokSpec
-CALL_OPTIONS = ("proposal", "num_draft_tokens", "adaptive", "tree_width")
-_SAMPLING_KEYWORDS = ("do_sample", "temperature", "top_k", "top_p", "seed")
-
-
-def unknown_options_message(names: list[str]) -> str:
-    """An error naming keywords that generate() / stream() do not take, with where each belongs if anywhere."""
-    config_fields = {field.name for field in dataclasses.fields(SpecConfig)}
-    known = _SAMPLING_KEYWORDS + CALL_OPTIONS
+def unknown_options_message(names: list[str], known: tuple[str, ...]) -> str:
+    """An error naming keywords that generate() / stream() do not take (`known`: those they do), with where
+    each belongs if anywhere."""
+    config_fields = tuple(field.name for field in dataclasses.fields(SpecConfig))
     parts = []
     for name in names:
         if name in config_fields:
             parts.append(f"{name!r} is set once per XTokSpec: XTokSpec(..., config=SpecConfig({name}=...))")
         else:
-            close = difflib.get_close_matches(name, known + tuple(config_fields), n=1)
+            close = difflib.get_close_matches(name, known + config_fields, n=1)
             parts.append(f"{name!r} is not an option" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return f"unknown keyword for generate/stream: {'; '.join(parts)}. They take: {', '.join(known)}"
+
+
+def keyword_only(function) -> tuple[str, ...]:
+    """The keyword-only parameter names of `function`, in order."""
+    return tuple(name for name, parameter in inspect.signature(function).parameters.items()
+                 if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclasses.dataclass
@@ -458,8 +460,8 @@ class XTokSpec:
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
         """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
 
-        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width
-        (CALL_OPTIONS); SpecConfig's other fields are the XTokSpec's, and passing one here is an error naming so.
+        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width;
+        SpecConfig's other fields are the XTokSpec's, and passing one here is an error naming so.
         """
         stats = GenerationStats()
         token_ids: list[int] = []
@@ -705,9 +707,10 @@ class XTokSpec:
 
     def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, **options) -> Iterator[list[int]]:
-        unknown = sorted(set(options) - set(CALL_OPTIONS))
-        if unknown:
-            raise XTokSpecError(unknown_options_message(unknown))
+        unknown = sorted(set(options) - set(keyword_only(self._cycles_from_ids)))
+        if unknown:  # NOTE: the keywords named are the ones these two signatures take, so they cannot drift apart
+            known = keyword_only(self._cycles) + keyword_only(self._cycles_from_ids)
+            raise XTokSpecError(unknown_options_message(unknown, known))
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
         yield from self._cycles_from_ids(target_ids, draft_ids, max_new_tokens, stats, params, **options)
