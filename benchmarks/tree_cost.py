@@ -7,7 +7,7 @@ for N = 0..64 at a fixed context, median of several runs, and fits cost(N) = bas
 on verification alone (the draft's extra work comes on top).
 
     python benchmarks/tree_cost.py --out bench-out/tree-cost                      # the fixture target, fp32
-    python benchmarks/tree_cost.py --model ~/.cache/xtokspec/real/qwen2.5-coder-1.5b --dtype bfloat16 --out ...
+    python benchmarks/tree_cost.py --model qwen2.5-coder-1.5b --dtype bfloat16 --out ...   # a fetched real model
     python benchmarks/tree_cost.py --model ~/.cache/xtokspec/real/qwen2.5-coder-1.5b --cpu-linears onednn ...
     python benchmarks/tree_cost.py --device cuda --out "$OUT/tree-cost"           # on a GPU (synchronised timing)
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from xtokspec.bench import real_model_dir, real_models_root
 from xtokspec.cache import ModelState
 from xtokspec.models import CPU_LINEARS, onednn_linears, resolve
 from xtokspec.tree import Trie
@@ -88,7 +89,7 @@ def fit(costs: dict[int, float]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="ja-target", help="a folder or a bundled name (default: ja-target)")
+    parser.add_argument("--model", default="ja-target", help="a folder, a bundled name (default: ja-target) or a real model fetched by real_models.py")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
@@ -100,7 +101,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve(args.model, "--model")
+    # NOTE: a fetched real model's name, not a hub id (a hub lookup on a machine without access retries for ~25 s)
+    real = not Path(args.model).expanduser().exists() and (real_models_root() / args.model).is_dir()
+    path = real_model_dir(args.model) if real else resolve(args.model, "--model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)
     if args.cpu_linears == "onednn":
         onednn_linears(model)
