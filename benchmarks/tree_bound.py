@@ -36,6 +36,25 @@ def totals(path: str, mode: str) -> dict[str, collections.Counter]:
     return out
 
 
+def rows(path: str, mode: str) -> list[tuple[str, str, float, float, float, float]]:
+    """(tree, chain, tree's tokens per call, chain's, measured speed ratio, bound with free nodes) for each tree
+    system and bridged chain of `mode` that drafted every cycle."""
+    systems = {name: t for name, t in totals(path, mode).items() if t["target_forwards"] and not t["alone_cycles"]}
+    per_call = {name: {f: t[f] / t["target_forwards"] for f in FIELDS} for name, t in systems.items()}
+    out = []
+    for tree, t in per_call.items():
+        if "-tree" not in tree:
+            continue
+        for chain, c in per_call.items():
+            if "-tree" in chain or "bridged" not in chain:
+                continue
+            chain_speed = c["new_tokens"] / c["wall_seconds"]
+            free = t["wall_seconds"] - t["verify_seconds"] + c["verify_seconds"]  # the tree's call, verified at the chain's cost
+            out.append((tree, chain, t["new_tokens"], c["new_tokens"], t["new_tokens"] / t["wall_seconds"] / chain_speed,
+                        t["new_tokens"] / free / chain_speed))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="results.json of xtokspec bench runs")
@@ -45,20 +64,9 @@ def main() -> None:
           "bound with free nodes |")
     print("|---|---|---|---|---|---|")
     for path in args.results:
-        systems = {name: t for name, t in totals(path, args.mode).items() if t["target_forwards"] and not t["alone_cycles"]}
-        trees = [name for name in systems if "-tree" in name]
-        chains = [name for name in systems if "-tree" not in name and "bridged" in name]
-        for tree in trees:
-            t = systems[tree]
-            t_tokens, t_call, t_verify = (t[f] / t["target_forwards"] for f in ("new_tokens", "wall_seconds", "verify_seconds"))
-            for chain in chains:
-                c = systems[chain]
-                c_tokens, c_call, c_verify = (c[f] / c["target_forwards"] for f in ("new_tokens", "wall_seconds", "verify_seconds"))
-                chain_speed = c_tokens / c_call
-                bound = t_tokens / (t_call - t_verify + c_verify) / chain_speed
-                print(f"| {path} | {tree} | {chain} | {t_tokens:.2f} / {c_tokens:.2f} = {t_tokens / c_tokens:.2f} | "
-                      f"{t_tokens / t_call / chain_speed:.2f} | {bound:.2f} |")
-
+        for tree, chain, t_tokens, c_tokens, measured, bound in rows(path, args.mode):
+            print(f"| {path} | {tree} | {chain} | {t_tokens:.2f} / {c_tokens:.2f} = {t_tokens / c_tokens:.2f} | "
+                  f"{measured:.2f} | {bound:.2f} |")
 
 if __name__ == "__main__":
     main()

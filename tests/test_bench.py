@@ -183,3 +183,28 @@ def test_systems_that_do_not_run_are_refused_before_anything_is_timed(tmp_path, 
 def test_report_only_without_an_earlier_run_names_the_missing_file(tmp_path, capsys):
     assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 2
     assert "results.json" in capsys.readouterr().err
+
+
+def test_tree_bound_from_per_call_totals(tmp_path):
+    """benchmarks/tree_bound.py on made-up totals whose answer is worked by hand. Tree: 20 tokens in 10 calls of
+    0.2 s, 0.15 s of each verifying; chain: 15 tokens in 10 calls of 0.1 s, 0.08 s verifying. Measured speed ratio
+    (2 / 0.2) / (1.5 / 0.1) = 2/3; with the tree verified at the chain's 0.08 s a call costs 0.13 s, so the bound is
+    (2 / 0.13) / 15 = 1.0256. A fallback run (target-alone cycles) and the other mode are left out."""
+    from model_helpers import load_script
+
+    def run(system, mode, calls, tokens, wall, verify, alone=0):
+        stats = {"target_forwards": calls, "new_tokens": tokens, "wall_seconds": wall, "draft_seconds": 0.0,
+                 "verify_seconds": verify, "alone_cycles": alone}
+        return {"system": system, "mode": mode, "stats": stats}
+
+    runs = [run("x-bridged-tree4", "T=0.7", 6, 12, 1.2, 0.9), run("x-bridged-tree4", "T=0.7", 4, 8, 0.8, 0.6),
+            run("x-bridged-onehot", "T=0.7", 10, 15, 1.0, 0.8), run("x-bridged-intersection", "T=0.7", 9, 9, 1.0, 0.9, alone=3),
+            run("x-bridged-onehot", "greedy", 10, 30, 1.0, 0.8), {"system": "target", "mode": "T=0.7"}]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"runs": runs}))
+    rows = load_script("benchmarks/tree_bound.py").rows(str(path), "T=0.7")
+    assert [row[:2] for row in rows] == [("x-bridged-tree4", "x-bridged-onehot")]
+    _, _, tree_tokens, chain_tokens, measured, bound = rows[0]
+    assert (tree_tokens, chain_tokens) == pytest.approx((2.0, 1.5))
+    assert measured == pytest.approx(2 / 3)
+    assert bound == pytest.approx(2 / 0.13 / 15)
