@@ -3,7 +3,7 @@
 A tree is faster than a chain by (its tokens per target call / the chain's) x (the chain's seconds per call / its
 own). Its calls cost more for two reasons: more nodes to verify, and wider draft levels. This reads an `xtokspec
 bench` run's results.json and, from the loop's own per-call totals over all prompts (`stats`: seconds, tokens,
-target calls, draft and verification seconds), prints for each tree system and each bridged chain of the same mode:
+target calls, verification seconds), prints for each tree system and each bridged chain of the same mode:
 the tokens-per-call ratio, the measured speed ratio (of totals), and the bound: the speed ratio if the tree's
 verification had cost what the chain's did per call, with its draft as measured. Where verification grows with
 the nodes (a CPU) that bound is what no cheaper verification can beat; on a GPU, where a tree's verification can
@@ -21,7 +21,7 @@ import argparse
 import collections
 import json
 
-FIELDS = ("target_forwards", "new_tokens", "wall_seconds", "draft_seconds", "verify_seconds", "alone_cycles")
+FIELDS = ("target_forwards", "new_tokens", "wall_seconds", "verify_seconds", "alone_cycles")
 
 
 def totals(path: str, mode: str) -> dict[str, collections.Counter]:
