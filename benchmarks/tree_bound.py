@@ -68,5 +68,6 @@ def main() -> None:
             print(f"| {path} | {tree} | {chain} | {t_tokens:.2f} / {c_tokens:.2f} = {t_tokens / c_tokens:.2f} | "
                   f"{measured:.2f} | {bound:.2f} |")
 
+
 if __name__ == "__main__":
     main()

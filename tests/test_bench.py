@@ -193,8 +193,8 @@ def test_tree_bound_from_per_call_totals(tmp_path):
     from model_helpers import load_script
 
     def run(system, mode, calls, tokens, wall, verify, alone=0):
-        stats = {"target_forwards": calls, "new_tokens": tokens, "wall_seconds": wall, "draft_seconds": 0.0,
-                 "verify_seconds": verify, "alone_cycles": alone}
+        stats = {"target_forwards": calls, "new_tokens": tokens, "wall_seconds": wall, "verify_seconds": verify,
+                 "alone_cycles": alone}
         return {"system": system, "mode": mode, "stats": stats}
 
     runs = [run("x-bridged-tree4", "T=0.7", 6, 12, 1.2, 0.9), run("x-bridged-tree4", "T=0.7", 4, 8, 0.8, 0.6),
