@@ -37,14 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from xtokspec.cache import (  # noqa: E402
-    COMPILE_BUCKETS,
-    ModelState,
-    compile_step,
-    move_positions,
-    padded_length,
-    to_device,
-)
+from xtokspec.cache import ModelState  # noqa: E402
+from xtokspec.compile import COMPILE_BUCKETS, CompiledStep, move_positions, padded_length  # noqa: E402
+from xtokspec.kv import to_device  # noqa: E402
 from xtokspec.types import expected_tokens  # noqa: E402
 
 CONTEXT = 512
@@ -114,7 +109,7 @@ def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
     ids = torch.randint(vocab, (CONTEXT + 32,)).tolist()
     # NOTE: static, the buffer holds buffer_capacity(576) = 768 positions (576 until the tenth session's
     # figures: the ninth's and the 7B/1B ones), the size a 512-token prompt with 64 new tokens gets in use
-    state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, compile_step(model) if compiled else None)
+    state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, CompiledStep(model) if compiled else None)
     state.forward(keep=1)  # the context
     costs = {}
     for m in lengths:
@@ -134,7 +129,7 @@ def tree_costs(model, device: str, reps: int, rows: tuple[int, ...] = TREE_ROWS)
     is the target's verification."""
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (CONTEXT + rows[-1],)).tolist()
-    state = ModelState(model, ids[:CONTEXT], "static", CONTEXT + 64, compile_step(model, "target"),
+    state = ModelState(model, ids[:CONTEXT], "static", CONTEXT + 64, CompiledStep(model, "target"),
                        tree_nodes=rows[-1] - 1)
     state.forward(keep=1)  # the context
     costs = {}
@@ -155,7 +150,7 @@ def move_costs(model, device: str, reps: int) -> dict[str, float]:
     """Seconds of keep_path's move of an accepted path that is off the first branch (4 positions; here onto
     themselves) in a CONTEXT-token static cache: eagerly two kernels per layer tensor, captured one replay."""
     ids = torch.randint(model.config.vocab_size, (CONTEXT,)).tolist()
-    state = ModelState(model, ids, "static", CONTEXT + 64, compile_step(model, "target"))
+    state = ModelState(model, ids, "static", CONTEXT + 64, CompiledStep(model, "target"))
     state.forward(keep=1)
     tensors = [t for pair in state.kv.layer_tensors() for t in pair]
     index = to_device(list(range(CONTEXT - 4, CONTEXT)), torch.device(device))

@@ -29,15 +29,18 @@ def pytest_configure(config):
 def _draft_every_cycle(request, monkeypatch):
     """The fallback to the target alone (SpecConfig.fallback) is chosen from wall-clock timings, so on a loaded
     test machine it would change which cycles draft from run to run, and with them the paths and counts the
-    tests check. Tests therefore draft every cycle, as with fallback=False, except those marked `fallback`
-    (tests/test_fallback.py and the alternation chi-square test), which drive or check the choice itself."""
+    tests check. Tests therefore draft every cycle, through the policy seam `XTokSpec.fallback_policy`, except
+    those marked `fallback` (tests/test_fallback.py and the alternation chi-square test), which drive or check
+    the choice itself."""
     if request.node.get_closest_marker("fallback"):
         return
     try:
-        from xtokspec.decode import DraftLengthPolicy
+        from policies import always_draft
+
+        from xtokspec import XTokSpec
     except ImportError:  # the reference env has no torch
         return
-    monkeypatch.setattr(DraftLengthPolicy, "run_alone", lambda self: False)
+    monkeypatch.setattr(XTokSpec, "fallback_policy", staticmethod(always_draft))
 
 
 @pytest.fixture(scope="session")

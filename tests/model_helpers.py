@@ -58,6 +58,39 @@ def tiny_neox(tokenizer, seed: int = 1):
     return GPTNeoXForCausalLM(config).eval()
 
 
+WINDOW = 6  # the sliding window of the tiny sliding-window models
+
+
+def tiny_gemma3(tokenizer, seed: int, layers=("sliding_attention", "sliding_attention", "full_attention")):
+    """A random Gemma-3 text model over `tokenizer` whose sliding layers see WINDOW positions."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=len(layers),
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW, layer_types=list(layers),
+        max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    return model
+
+
+def tiny_mistral(tokenizer, seed: int):
+    """A random Mistral (every layer sliding, the window in `sliding_window`)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=WINDOW, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return MistralForCausalLM(config).eval()
+
+
 def load_script(relative: str):
     """A script of the checkout (e.g. benchmarks/real_models.py) imported as a module by its path."""
     import importlib.util

@@ -6,9 +6,17 @@ import json
 
 import pytest
 
-from xtokspec.bench import Run, comparisons, eos_check, markdown_table, paired, summarize, theoretical_speedup
 from xtokspec.cli import main
 from xtokspec.models import fixtures_dir
+from xtokspec.report import (
+    Run,
+    comparisons,
+    eos_check,
+    markdown_table,
+    paired,
+    summarize,
+    theoretical_speedup,
+)
 from xtokspec.types import GenerationStats
 
 
@@ -44,7 +52,7 @@ def test_comparisons_only_lists_pairs_that_ran():
 
 
 def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its_pruned_twin():
-    from xtokspec.bench import tree_pairs
+    from xtokspec.report import tree_pairs
 
     pairs = tree_pairs(["xtokspec-bridged", "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all",
                         "xtokspec-bridged-tree4-top"])
@@ -56,7 +64,7 @@ def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its
 
 
 def test_trimmed_head_systems_are_compared_with_their_full_head_twins():
-    from xtokspec.bench import tree_pairs, trim_pairs
+    from xtokspec.report import tree_pairs, trim_pairs
 
     names = ["xtokspec-bridged", "xtokspec-bridged-trim", "xtokspec-bridged-auto", "xtokspec-bridged-auto-trim",
              "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-trim"]
@@ -151,7 +159,7 @@ def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeyp
     import torch
 
     from xtokspec.bench import load_preset, run_benchmark
-    from xtokspec.decode import XTokSpec
+    from xtokspec.spec import XTokSpec
 
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
     warmed = []

@@ -9,14 +9,8 @@ import vocabs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtokspec.bridge import (
-    TextSync,
-    TokenCodec,
-    build_token_map,
-    common_prefix_len,
-    propose_target_ids,
-    utf8_valid_prefix_len,
-)
+from xtokspec.bridge import TextSync, build_token_map, common_prefix_len, propose_target_ids
+from xtokspec.codec import TokenCodec, utf8_valid_prefix_len
 from xtokspec.types import XTokSpecError
 
 
@@ -215,7 +209,7 @@ def test_fragment_tokenizer_from_components_equals_the_json_copy(sp_tokenizer, b
     """The fast fragment tokenizer (shared model, rebuilt components) encodes exactly as the full JSON copy."""
     from model_helpers import FIXTURES
 
-    from xtokspec.bridge import _fragment_tokenizer_from_json, fragment_tokenizer
+    from xtokspec.codec import _fragment_tokenizer_from_json, fragment_tokenizer
 
     texts = (FIXTURES / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()[:200]
     texts += [" テスト", "a  b\tc", "<s>x</s><|endoftext|>", "𠮷😀", "\n\nが", "ｶﾀｶﾅ"]
@@ -230,7 +224,7 @@ def test_fragment_tokenizer_keeps_interleaved_added_token_ids():
     """Special and ordinary added tokens outside the vocabulary, interleaved: re-added in id order, same ids."""
     from tokenizers import AddedToken, Tokenizer, models
 
-    from xtokspec.bridge import fragment_tokenizer
+    from xtokspec.codec import fragment_tokenizer
 
     backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
     backend.add_tokens([AddedToken("zz", special=False)])

@@ -7,7 +7,8 @@ import torch
 from model_helpers import tiny_llama, tiny_neox
 
 from xtokspec import SpecConfig, XTokSpecError
-from xtokspec.cache import CACHE_BACKENDS, ModelState, cache_keyword, choose_backend
+from xtokspec.cache import ModelState
+from xtokspec.kv import CACHE_BACKENDS, cache_keyword, choose_backend
 
 BACKENDS = pytest.mark.parametrize("backend", CACHE_BACKENDS)
 
@@ -54,11 +55,11 @@ def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer, prefix)
     """Pins what the static backend relies on: both layer kinds write at their length (transformers' StaticLayer,
     which compiled steps use: cumulative_length + arange(T); xtokspec's eager prefix layer: a Python int) into
     buffers that a rollback leaves in place, and the prefix layer attends over the written positions only."""
-    from xtokspec.cache import _StaticKV
+    from xtokspec.kv import StaticKV
 
     model = tiny_llama(sp_tokenizer, seed=5)
     state = ModelState(model, [1, 5, 6, 7, 8, 9], "static", capacity=16)
-    state.kv = _StaticKV(model, 16, prefix=prefix)
+    state.kv = StaticKV(model, 16, prefix=prefix)
 
     def length(layer):
         return layer.length if prefix else int(layer.cumulative_length)
@@ -82,7 +83,7 @@ def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer, prefix)
 def test_eager_static_logits_equal_dynamic(sp_tokenizer):
     """The prefix layer (no mask for one-token steps, a shorter one otherwise) computes what the dynamic cache does,
     through a prefill, one-token steps, a rollback and a multi-token forward."""
-    from xtokspec.cache import _PrefixStaticLayer
+    from xtokspec.kv import PrefixStaticLayer
 
     model = tiny_llama(sp_tokenizer, seed=8)
     states = [ModelState(model, [1, 5, 6, 7, 8, 9], backend, capacity=32) for backend in ("dynamic", "static")]
@@ -97,7 +98,7 @@ def test_eager_static_logits_equal_dynamic(sp_tokenizer):
                 out.append(state.forward(keep=len(script) or 1))
             if out:
                 torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
-    assert all(isinstance(layer, _PrefixStaticLayer) for layer in states[1].kv.cache.layers)
+    assert all(isinstance(layer, PrefixStaticLayer) for layer in states[1].kv.cache.layers)
 
 
 def test_static_cache_refuses_to_overflow(sp_tokenizer):

@@ -95,9 +95,9 @@ class _NoModels:
 
 @pytest.fixture
 def no_models(monkeypatch):
-    import xtokspec.decode
+    import xtokspec.spec
 
-    monkeypatch.setattr(xtokspec.decode, "XTokSpec", _NoModels)
+    monkeypatch.setattr(xtokspec.spec, "XTokSpec", _NoModels)
     _NoModels.calls, _NoModels.configs, _NoModels.forbid = [], [], False
     return _NoModels
 
@@ -120,7 +120,7 @@ def no_models(monkeypatch):
         (["東京", "--calibration", "x.txt"], "give --draft-vocab too"),
         (["東京", "--draft-vocab", "2048", "--calibration", "/no/such/text.txt"], "cannot read --calibration"),
         (["東京", "--tree-width", "0"], "tree_width must be an integer >= 1"),
-        (["東京", "--compile", "--cache", "dynamic"], "--compile needs the static cache"),
+        (["東京", "--compile", "--cache", "dynamic"], "compile=True needs the static cache"),  # SpecConfig's check
         (["東京", "--cpu-linears", "onednn"], "--cpu-linears onednn needs --dtype float32 and no --compile"),
         (["東京", "--cpu-linears", "onednn", "--dtype", "float32", "--compile"], "needs --dtype float32 and no --compile"),
     ],
@@ -172,7 +172,7 @@ def test_prompt_from_stdin_and_from_a_file(no_models, monkeypatch, tmp_path):
 
 
 def test_bundled_names_are_the_defaults(no_models):
-    import xtokspec.decode
+    import xtokspec.spec
 
     seen = {}
     real_init = _NoModels.__init__
@@ -181,7 +181,7 @@ def test_bundled_names_are_the_defaults(no_models):
         seen.update(large=large, small=small, dtype=kwargs["large_kwargs"]["dtype"])
         real_init(self, large, small, **kwargs)
 
-    xtokspec.decode.XTokSpec.__init__ = record
+    xtokspec.spec.XTokSpec.__init__ = record
     try:
         assert main(["generate", "東京"]) == 0
     finally:

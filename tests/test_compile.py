@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 from model_helpers import tiny_llama, tiny_neox
+from policies import scripted
 
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.cache import COMPILE_BUCKETS
-from xtokspec.decode import DraftLengthPolicy
+from xtokspec.compile import COMPILE_BUCKETS
 
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
 
@@ -33,7 +33,7 @@ def test_compile_needs_the_static_cache(tiny_target, bpe_tokenizer):
         SpecConfig(compile=True, cache="dynamic")
     with pytest.raises(XTokSpecError, match="compile must be True or False"):
         SpecConfig(compile="yes")
-    from xtokspec.cache import choose_backend
+    from xtokspec.kv import choose_backend
 
     target = tiny_target[0]
     assert choose_backend(target, "auto", compiled=True) == "static"
@@ -157,10 +157,11 @@ def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenize
     """keep_path moves an accepted path that is not nodes 1, 2, ... into place: through a compiled step with one
     captured call for every layer (inductor for real here), padded to a bucket by positions copied onto
     themselves. The cache then holds exactly the committed ids: the next forward equals a plain one."""
-    from xtokspec.cache import ModelState, compile_step
+    from xtokspec.cache import ModelState
+    from xtokspec.compile import CompiledStep
 
     model = tiny_llama(sp_tokenizer, seed=5)
-    step = compile_step(model, "target")
+    step = CompiledStep(model, "target")
     prompt = list(range(30, 50))
     with torch.inference_mode():
         state = ModelState(model, prompt, "static", 64, step, tree_nodes=16)
@@ -201,7 +202,7 @@ def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tin
     graphs = counters["stats"]["unique_graphs"]
     caplog.clear()
     # target-alone cycles between drafted ones (the fallback's choice, scripted: conftest otherwise drafts always)
-    monkeypatch.setattr(DraftLengthPolicy, "run_alone", lambda self: self.cycles >= 1 and self.since_draft < 1)
+    monkeypatch.setattr(spec, "fallback_policy", scripted(lambda policy: policy.cycles >= 1 and policy.since_draft < 1))
     for prompt in ["東京", *PROMPTS]:
         assert spec.generate(prompt, max_new_tokens=16).token_ids == target_ids(tiny_target, prompt, 16), prompt
     assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
@@ -218,7 +219,8 @@ def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_com
     """Token trees are captured too: the target verifies each trie, and the draft grows each level of its beam,
     in padded tree-masked calls through the compiled steps (an eager draft level costs 10x a captured step on an
     H100). The output is still the target's own."""
-    from xtokspec.cache import CompiledStep, ModelState
+    from xtokspec.cache import ModelState
+    from xtokspec.compile import CompiledStep
 
     calls = {"forward_tree": 0, "grow_tree": 0, "target tree step": 0, "draft tree step": 0}
 

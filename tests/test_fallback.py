@@ -15,50 +15,52 @@ import time
 
 import pytest
 import torch
+from policies import alone as alone_cycle
+from policies import drafted, scripted
 
-from xtokspec import SpecConfig, XTokSpec
-from xtokspec.bridge import utf8_valid_prefix_len
-from xtokspec.decode import DraftLengthPolicy, _Run
+from xtokspec import SpecConfig, XTokSpec, loop
+from xtokspec.codec import utf8_valid_prefix_len
+from xtokspec.policy import Fallback
 
 pytestmark = pytest.mark.fallback
 
 NEW_TOKENS = 40
 
 
-def policy(**config) -> DraftLengthPolicy:
-    return DraftLengthPolicy(SpecConfig(**config))
+def policy(first_alone: bool = False, **config) -> Fallback:
+    return Fallback(SpecConfig(**config), first_alone=first_alone)
 
 
-def drafted(p: DraftLengthPolicy, cycles: int, tokens: int, seconds: float) -> None:
+def drafted_cycles(p: Fallback, cycles: int, tokens: int, seconds: float) -> None:
     for _ in range(cycles):
-        p.update(3, 3, tokens - 1, seconds / 2, seconds / 2)
-        p.record(tokens, seconds, alone=False)
+        p.observe(drafted(3, 3, tokens - 1, seconds / 2, seconds / 2, committed=tokens))
 
 
-def test_policy_drafts_first_then_measures_a_target_step():
-    p = policy()
+def test_policy_runs_the_prompt_alone_then_drafts_then_measures_a_target_step():
+    p = policy(first_alone=True)
+    assert p.run_alone()  # the first cycle (the prompt's): the first token waits for no draft
     for _ in range(3):
         assert not p.run_alone()  # nothing measured: draft
-        drafted(p, 1, 2, 0.030)
+        drafted_cycles(p, 1, 2, 0.030)
     assert p.run_alone()  # 3 drafted cycles measured, no target step yet: measure one
 
 
-def alone_runs(p: DraftLengthPolicy, cycles: int, alone_s: float, tokens: int, drafted_s: float) -> list[int]:
+def alone_runs(p: Fallback, cycles: int, alone_s: float, tokens: int, drafted_s: float) -> list[int]:
     """Drive the policy with fixed costs -> the lengths of its runs of target-alone cycles."""
     pattern = ""
     for _ in range(cycles):
         alone = p.run_alone()
         pattern += "A" if alone else "D"
         if alone:
-            p.record(1, alone_s, alone=True)
+            p.observe(alone_cycle(alone_s))
         else:
-            drafted(p, 1, tokens, drafted_s)
+            drafted_cycles(p, 1, tokens, drafted_s)
     return [len(run) for run in pattern.split("D")]
 
 
 def test_policy_runs_the_target_alone_while_it_is_cheaper_per_token_and_probes_drafting_ever_more_rarely():
     p = policy()
-    drafted(p, 3, 2, 0.030)  # 15 ms a token drafting, 10 ms alone: a probe costs 10 ms more than it commits
+    drafted_cycles(p, 3, 2, 0.030)  # 15 ms a token drafting, 10 ms alone: a probe costs 10 ms more than it commits
     # the first A measures a step; then runs of 2, 4, 8, 16, and at most 20 (a probe's extra 10 ms is 5% of 20
     # target-alone cycles)
     assert alone_runs(p, 80, 0.010, 2, 0.030) == [2, 4, 8, 16, 20, 20, 4]
@@ -66,43 +68,43 @@ def test_policy_runs_the_target_alone_while_it_is_cheaper_per_token_and_probes_d
 
 def test_policy_probes_at_most_every_16_cycles_where_drafting_loses_a_little():
     p = policy()
-    drafted(p, 3, 2, 0.021)  # 10.5 ms a token drafting: a probe costs 1 ms more than it commits
+    drafted_cycles(p, 3, 2, 0.021)  # 10.5 ms a token drafting: a probe costs 1 ms more than it commits
     assert alone_runs(p, 70, 0.010, 2, 0.021) == [2, 4, 8, 16, 16, 16, 2]
 
 
 def test_policy_probes_rarely_where_a_drafted_cycle_costs_many_steps():
     p = policy()
-    drafted(p, 3, 1, 0.100)  # a drafted cycle commits 1 token in 10 steps: 90 ms extra, 5% of 180 cycles
+    drafted_cycles(p, 3, 1, 0.100)  # a drafted cycle commits 1 token in 10 steps: 90 ms extra, 5% of 180 cycles
     assert alone_runs(p, 800, 0.010, 1, 0.100)[:9] == [2, 4, 8, 16, 32, 64, 128, 180, 180]
 
 
 def test_policy_keeps_drafting_while_it_pays_and_measures_the_target_again_rarely():
     p = policy()
-    drafted(p, 3, 3, 0.015)  # 5 ms a token drafting
+    drafted_cycles(p, 3, 3, 0.015)  # 5 ms a token drafting
     assert p.run_alone()
-    p.record(1, 0.010, alone=True)  # 10 ms a token alone
+    p.observe(alone_cycle(0.010))  # 10 ms a token alone
     pattern = []
-    for _ in range(2 * DraftLengthPolicy.PROBE_ALONE_EVERY + 2):
+    for _ in range(2 * Fallback.PROBE_ALONE_EVERY + 2):
         alone = p.run_alone()
         pattern.append(alone)
-        p.record(1, 0.010, alone=True) if alone else drafted(p, 1, 3, 0.015)
-    every = DraftLengthPolicy.PROBE_ALONE_EVERY
+        p.observe(alone_cycle(0.010)) if alone else drafted_cycles(p, 1, 3, 0.015)
+    every = Fallback.PROBE_ALONE_EVERY
     assert [i for i, alone in enumerate(pattern) if alone] == [every, 2 * every + 1]
 
 
 def test_policy_switches_back_when_a_probe_finds_drafting_cheaper_and_probes_early_again_later():
     p = policy()
-    drafted(p, 3, 2, 0.030)
+    drafted_cycles(p, 3, 2, 0.030)
     pattern = ""
     for cycle in range(40):
         alone = p.run_alone()
         pattern += "A" if alone else "D"
         if alone:
-            p.record(1, 0.010, alone=True)
+            p.observe(alone_cycle(0.010))
         elif cycle < 8:  # the text got easy: drafted cycles commit 12 tokens in 30 ms, 2.5 ms a token
-            drafted(p, 1, 12, 0.030)
+            drafted_cycles(p, 1, 12, 0.030)
         else:  # and hard again
-            drafted(p, 1, 1, 0.030)
+            drafted_cycles(p, 1, 1, 0.030)
     assert pattern.startswith("AAD" + "DDDDD")  # one probe that wins is enough (the decayed sums follow it)
     assert "DAAD" in pattern[8:]  # once drafting loses again, the first run of target-alone cycles is 2 long
 
@@ -110,8 +112,8 @@ def test_policy_switches_back_when_a_probe_finds_drafting_cheaper_and_probes_ear
 @pytest.mark.parametrize("config", [dict(fallback=False), dict(adaptive=False)], ids=["fallback-off", "fixed-k"])
 def test_policy_never_runs_alone_when_switched_off(config):
     p = policy(**config)
-    drafted(p, 10, 1, 0.100)
-    p.record(1, 0.001, alone=True)
+    drafted_cycles(p, 10, 1, 0.100)
+    p.observe(alone_cycle(0.001))
     assert not p.run_alone()
 
 
@@ -142,31 +144,26 @@ def target_greedy(target, prompt: str, n: int) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def check_caught_up(monkeypatch, spec: XTokSpec) -> list[int]:
-    """Wrap the drafted cycles: at each one's start the draft's context must be the committed text (same ids for
-    one tokenizer; otherwise the same bytes, up to the last complete character). -> a list that counts them."""
+def check_caught_up(monkeypatch, spec: XTokSpec, prompt_len: list[int]) -> list[int]:
+    """Wrap the drafted cycles' catch-up (loop.catch_up): after it the draft's context must be the committed text
+    (same ids for one tokenizer; otherwise the same bytes, up to the last complete character). `prompt_len`:
+    the current prompt's length in target ids, set by the caller. -> a list that counts the checks."""
     checked = []
-    cycles = _Run.cycles
+    catch_up = loop.catch_up
 
-    def remember_prompt(self, target_ids, draft_ids, max_new_tokens):
-        self.test_prompt_len = len(target_ids)
-        return cycles(self, target_ids, draft_ids, max_new_tokens)
+    def checking(run):
+        seconds = catch_up(run)
+        target, draft = run.target, run.draft
+        committed = spec.target.bytes_of(target.ids[prompt_len[0]:])
+        if spec.same_vocab:
+            assert draft.ids == target.ids
+        else:
+            context = spec.draft.bytes_of(draft.ids[run.mapper.current.draft_prompt_len:])
+            assert context == committed[: utf8_valid_prefix_len(committed)]
+        checked.append(len(target.ids))
+        return seconds
 
-    def checking(cycle):
-        def run(self, target, draft, k, remaining):
-            committed = spec.target.bytes_of(target.ids[self.test_prompt_len:])
-            if self.kind == "same-tokenizer":
-                assert draft.ids == target.ids
-            else:
-                context = spec.draft.bytes_of(draft.ids[self.draft_prompt_len:])
-                assert context == committed[: utf8_valid_prefix_len(committed)]
-            checked.append(len(target.ids))
-            return cycle(self, target, draft, k, remaining)
-        return run
-
-    monkeypatch.setattr(_Run, "cycles", remember_prompt)
-    monkeypatch.setattr(_Run, "_chain_cycle", checking(_Run._chain_cycle))
-    monkeypatch.setattr(_Run, "_tree_cycle", checking(_Run._tree_cycle))
+    monkeypatch.setattr(loop, "catch_up", checking)
     return checked
 
 
@@ -177,11 +174,13 @@ def test_interleaved_target_alone_cycles_decode_what_the_target_does(system, pat
                                                                       ja_target, heldout_prompts, monkeypatch):
     spec = same_spec if system == "same-tokenizer" else bridged_spec
     extra = {"tree_width": 4} if system.endswith("tree4") else {}
-    monkeypatch.setattr(DraftLengthPolicy, "run_alone", PATTERNS[pattern])
-    checked = check_caught_up(monkeypatch, spec)
+    monkeypatch.setattr(spec, "fallback_policy", scripted(PATTERNS[pattern]))
+    prompt_len = [0]
+    checked = check_caught_up(monkeypatch, spec, prompt_len)
     runs = {"DAA": 2, "DA": 1}[pattern]  # target-alone cycles after each drafted one
     accepted_after_alone = 0
     for prompt in heldout_prompts[:4]:
+        prompt_len[0] = len(spec.target.encode_prompt(prompt))
         result = spec.generate(prompt, max_new_tokens=NEW_TOKENS, **extra)
         assert result.token_ids == target_greedy(ja_target, prompt, NEW_TOKENS), prompt
         stats = result.stats
@@ -196,7 +195,7 @@ def test_interleaved_target_alone_cycles_decode_what_the_target_does(system, pat
 
 @pytest.mark.slow
 def test_stream_matches_generate_with_target_alone_cycles(bridged_spec, heldout_prompts, monkeypatch):
-    monkeypatch.setattr(DraftLengthPolicy, "run_alone", every_third_drafts)
+    monkeypatch.setattr(bridged_spec, "fallback_policy", scripted(every_third_drafts))
     prompt = heldout_prompts[5]
     result = bridged_spec.generate(prompt, max_new_tokens=NEW_TOKENS)
     assert "".join(bridged_spec.stream(prompt, max_new_tokens=NEW_TOKENS)) == result.text
@@ -229,7 +228,7 @@ def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft
     assert again.token_ids == target_greedy(ja_target, prompt, NEW_TOKENS)
     assert again.stats.proposal_lengths[0] == 0 and again.stats.alone_cycles > stats.alone_cycles, again.stats.summary()
     sampled = spec.generate(prompt, max_new_tokens=4, do_sample=True, seed=0)  # other settings: measured anew
-    assert sampled.stats.proposal_lengths[0] > 0
+    assert sampled.stats.proposal_lengths[0] == 0 and sampled.stats.proposal_lengths[1] > 0  # the prompt alone
     off = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(fallback=False)).generate(prompt, max_new_tokens=8)
     assert off.stats.alone_cycles == 0
 
@@ -237,10 +236,10 @@ def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft
 @pytest.mark.slow
 def test_fallback_stays_off_where_drafting_pays(ja_target, ja_draft_same, heldout_prompts, monkeypatch):
     """A target step made to cost 60 ms whatever it verifies, the draft left fast: a drafted cycle commits more
-    than one token for little more than a step, so the target alone runs only as the measuring probe and at most
-    one shortest run (the first drafted cycles of this prompt accept little)."""
+    than one token for little more than a step, so the target alone runs only for the prompt's cycle, as the
+    measuring probe and at most one shortest run (the first drafted cycles of this prompt accept little)."""
     spec = XTokSpec(ja_target, ja_draft_same)
     slowed(monkeypatch, ja_target[0], 0.060)
     result = spec.generate(heldout_prompts[11], max_new_tokens=NEW_TOKENS)
     assert result.stats.tokens_per_cycle > 1.2  # drafting pays on this prompt (checked before the claim below)
-    assert result.stats.alone_cycles <= 1 + DraftLengthPolicy.PROBE_DRAFT_FIRST, result.stats.summary()
+    assert result.stats.alone_cycles <= 2 + Fallback.PROBE_DRAFT_FIRST, result.stats.summary()  # + the prompt's

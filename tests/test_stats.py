@@ -6,7 +6,7 @@ NUM_TESTS statistical tests, so each runs at ALPHA = 9e-4 / NUM_TESTS. Seeds are
 reproducible, and the budget is the chance that the seeds chosen were unlucky. Every test also runs a
 deliberately wrong sampler on the same seeds and asserts that the same check rejects it (p < ALPHA). A control
 that fails to reject fails the run too: each end-to-end control is sized from its measured power so that it
-misses with probability <= CONTROL_MISS = 1e-4 (CONTROLS, section G), 1.6e-3 over its 16 controls.
+misses with probability <= CONTROL_MISS = 1e-4 (CONTROLS, section G), 1.7e-3 over its 17 controls.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from mutants import unnormalised_walk
 
 import reference
 import reference.tree as reference_tree
 from xtokspec import sampling, tree
 from xtokspec.types import SamplingParams
 
-NUM_TESTS = 18  # statistical tests in this file (test_budget_count checks it)
-ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 5.0e-5
+NUM_TESTS = 19  # statistical tests in this file (test_budget_count checks it)
+ALPHA = reference.per_test_alpha(NUM_TESTS, budget=9e-4)  # 4.7e-5
 
 # ---------------------------------------------------------------- A. the block sampler, fixed tables
 K, V, N_BLOCK = 3, 6, 4000
@@ -467,35 +468,6 @@ SAMPLED_ROOT_CONTROLS = {SAMPLED_ROOT_CASES[0]: ("onehot_residual",),
                          SAMPLED_ROOT_CASES[1]: ("keep_p",)}
 
 
-def unnormalised_walk(where: str):
-    """WRONG: tree.walk_sampled without the renormalisation, at the root (FIRST) or below it (DEEP).
-
-    A mutant of tree.walk_sampled (the same loop, one line changed), patched in where the loop calls it."""
-
-    def flawed(trie, p_children, uniforms, renormalize=True, root_tests=None):
-        node, path = 0, []
-        while True:
-            flaw = (node == 0) == (where == FIRST)
-            remaining, accepted = 1.0, None
-            for j, child in enumerate(trie.children[node]):
-                if node == 0 and root_tests is not None:
-                    p_j, q_j = root_tests[j]
-                    if uniforms[0][j] * q_j < p_j:
-                        accepted = child
-                        break
-                    continue
-                if uniforms[node][j] * (1.0 if flaw else remaining) < p_children[node][j]:
-                    accepted = child
-                    break
-                remaining -= p_children[node][j]
-            if accepted is None:
-                return path, node
-            path.append(accepted)
-            node = accepted
-
-    return flawed
-
-
 def flawed_sampled_tests(flaw: str):
     """WRONG: tree.sampled_tests with one wrong update (the flaws of reference/tree.py's sampled_steps)."""
 
@@ -551,7 +523,7 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
     report = [f"tree {backend} {path} {setting} (N={runs}): p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
     for where in TREE_CONTROLS[case]:
         with monkeypatch.context() as patch:
-            patch.setattr(tree, "walk_sampled", unnormalised_walk(where))
+            patch.setattr(tree, "walk_sampled", unnormalised_walk(at_root=where == FIRST, below=where == DEEP))
             control, control_runs = run_control(
                 f"tree {'-'.join(case)} {where}", exact, f"no renormalisation, {where}",
                 lambda start, n: sample_continuations(spec, SETTINGS[setting], "auto", prompt, n, start, **options)[0])
@@ -590,7 +562,7 @@ def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_sp
 
 
 # ---------------------------------------------------------------- D. proposal="auto": kinds switched between cycles
-# The chooser (xtokspec.decode.ProposalChooser) is forced to switch kinds after every measured cycle, so that
+# The chooser (xtokspec.policy.ProposalChooser) is forced to switch kinds after every measured cycle, so that
 # a run's cycles alternate between intersection and one-hot: what switching carries from one cycle to the
 # next (the text sync, the draft's cache, the chooser's rows) is on the tested path. Proof that any kind
 # chosen from past cycles is lossless: reference/exact.py, speculative_generate. The negative control is the
@@ -611,13 +583,13 @@ def alternate(self, onehot, intersection, accepted):
     return self.kind
 
 
-def peeking_bridge(bridge):
+def peeking_bridge(to_target):
     """WRONG: keeps the intersection proposal only when the cycle's first drafted id is even (without the draft's
-    rows the bridge proposes one-hot)."""
+    rows the intersection map proposes one-hot, through the text bridge)."""
 
     def flawed(self, drafted, rows, eos):
-        odd = self.kind == "intersection" and drafted and drafted[0] % 2
-        return bridge(self, drafted, [] if odd else rows, eos)
+        odd = drafted and drafted[0] % 2
+        return to_target(self, drafted, [] if odd else rows, eos)
 
     return flawed
 
@@ -636,17 +608,18 @@ def sample_switching(spec, prompt, runs, start=0):
 @pytest.mark.stats
 @pytest.mark.slow
 def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_target, monkeypatch):
-    from xtokspec import decode
+    from xtokspec.mapping import IntersectionMap
+    from xtokspec.policy import ProposalChooser
 
     prompt = PROMPTS[SWITCH_CASE[1:]]
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[SWITCH_CASE[2]])
     exact = exact_continuations(*ja_target, prompt, params, LENGTH, bridged_spec.target_eos)
-    monkeypatch.setattr(decode.ProposalChooser, "update", alternate)
+    monkeypatch.setattr(ProposalChooser, "update", alternate)
     samples, switched = sample_switching(bridged_spec, prompt, SWITCH_RUNS)
     assert switched >= MIN_SWITCHED_SHARE, f"only {switched:.0%} of runs used both kinds"
     result = reference.assert_samples_match(samples, exact, ALPHA, "switching kinds")
     with monkeypatch.context() as patch:
-        patch.setattr(decode._Run, "_bridge", peeking_bridge(decode._Run._bridge))
+        patch.setattr(IntersectionMap, "to_target", peeking_bridge(IntersectionMap.to_target))
         control, control_runs = run_control("switching peeking", exact, "kind chosen from the cycle's draws",
                                             lambda start, n: sample_switching(bridged_spec, prompt, n, start)[0])
     print(f"switching kinds (N={SWITCH_RUNS}): p={result.pvalue:.3g}, switched share {switched:.2f}; "
@@ -711,11 +684,11 @@ def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None, 
 @pytest.mark.stats
 @pytest.mark.slow
 def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_target, monkeypatch):
-    from xtokspec import decode
+    from xtokspec.policy import ProposalChooser
 
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[LONG_SETTING])
     exact = exact_continuations(*ja_target, LONG_PROMPT, params, LONG_LENGTH, bridged_spec.target_eos)
-    monkeypatch.setattr(decode.ProposalChooser, "update", alternate)
+    monkeypatch.setattr(ProposalChooser, "update", alternate)
     counter = LaterOnehotCycles()
     with monkeypatch.context() as patch:
         patch.setattr(sampling, "next_token_distribution", counter)  # counts only
@@ -822,19 +795,21 @@ ALONE_RUNS = 400  # 1,000, then 600 until the seventeenth session (CI's budget)
 MIN_AFTER_ALONE_SHARE = 0.3  # runs with a drafted cycle carrying proposals right after a target-alone one
 
 
-def drafted_then_alone(self) -> bool:
-    return self.cycles >= 1 and self.since_draft < 1
+def drafted_then_alone(policy) -> bool:
+    return policy.cycles >= 1 and policy.since_draft < 1
 
 
 def unwarped_alone(alone_cycle):
     """WRONG: a target-alone cycle samples the target's raw softmax, without the temperature and top-k."""
+    from xtokspec.verify import Sampler
 
-    def flawed(self, target, remaining):
-        warpers, self.warpers = self.warpers, sampling.build_warpers(SamplingParams(do_sample=True))
+    def flawed(run, remaining):
+        sampler = run.sampler
+        run.sampler = Sampler(sampling.build_warpers(SamplingParams(do_sample=True)), sampler.generator)
         try:
-            return alone_cycle(self, target, remaining)
+            return alone_cycle(run, remaining)
         finally:
-            self.warpers = warpers
+            run.sampler = sampler
 
     return flawed
 
@@ -858,22 +833,96 @@ def sample_with_alone_cycles(spec, prompt, runs, start=0):
 @pytest.mark.slow
 @pytest.mark.fallback
 def test_end_to_end_sampling_with_target_alone_cycles_matches_target(bridged_spec, ja_target, monkeypatch):
-    from xtokspec import decode
+    from policies import scripted
+
+    from xtokspec import loop
 
     prompt = PROMPTS[ALONE_CASE[1:]]
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[ALONE_CASE[2]])
     exact = exact_continuations(*ja_target, prompt, params, ALONE_LENGTH, bridged_spec.target_eos)
-    monkeypatch.setattr(decode.DraftLengthPolicy, "run_alone", drafted_then_alone)
+    monkeypatch.setattr(bridged_spec, "fallback_policy", scripted(drafted_then_alone))
     samples, after = sample_with_alone_cycles(bridged_spec, prompt, ALONE_RUNS)
     assert after >= MIN_AFTER_ALONE_SHARE, f"only {after:.0%} of runs drafted after a target-alone cycle"
     result = reference.assert_samples_match(samples, exact, ALPHA, "target-alone cycles")
     with monkeypatch.context() as patch:
-        patch.setattr(decode._Run, "_alone_cycle", unwarped_alone(decode._Run._alone_cycle))
+        patch.setattr(loop, "alone_cycle", unwarped_alone(loop.alone_cycle))
         control, control_runs = run_control(
             "alone unwarped", exact, "target-alone cycles without the warpers",
             lambda start, n: sample_with_alone_cycles(bridged_spec, prompt, n, start)[0])
     print(f"target-alone cycles (N={ALONE_RUNS}): p={result.pvalue:.3g}, drafted-after-alone share {after:.2f}; "
           f"unwarped control p={control.pvalue:.3g} (N={control_runs})")
+
+
+# ---------------------------------------------------------------- H. past a sliding window
+# Sliding-window layers (Gemma 2/3, Mistral) keep only their last window - 1 positions, and xtokspec rolls them
+# back itself (kv.DynamicKV). Here both models are tiny random Gemma-3s whose two sliding layers see 6 positions,
+# over the fixtures' ja-sp tokenizer: the prompt is 10 tokens, so every cycle runs past the window; the draft is
+# the target with its weights perturbed (30% of each tensor's spread), so that about a quarter of the runs
+# accept two proposals in a cycle and roll back at the second. The target's embeddings are scaled by 10 for
+# peaked distributions (random ones are near uniform). The control is the bug a sliding rollback could have:
+# the rolled-back positions left in the window (the length moved back, the states not), which later positions
+# then attend to.
+SLIDING_PROMPT = "ファイルシステムをマウントするには、mount コマンドを使用する。"
+SLIDING_SETTING = "t1.0-k3"
+SLIDING_RUNS = 500
+MIN_SLIDING_DEEP_SHARE = 0.1  # measured 0.25
+
+
+def sliding_pair(tokenizer):
+    """(target, draft) models for case H: a random Gemma-3 and its perturbed copy."""
+    import copy
+
+    from model_helpers import tiny_gemma3
+
+    target = tiny_gemma3(tokenizer, seed=0)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(10.0)  # tied: the logits too
+    draft = copy.deepcopy(target)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(0.3 * weight.std() * torch.randn_like(weight))
+    return target, draft
+
+
+def stale_sliding_rollback(self, n):
+    """WRONG: kv.DynamicKV.rollback that moves a sliding layer's length back but leaves its states."""
+    extra = self.length - n
+    if extra <= 0:
+        return
+    for layer in self.cache.layers:
+        if getattr(layer, "is_sliding", False) and layer.is_initialized:
+            layer.cumulative_length -= extra
+        elif layer.is_initialized:
+            layer.crop(-extra)
+    self._trim()
+
+
+@pytest.mark.stats
+@pytest.mark.stats2
+def test_end_to_end_sampling_past_a_sliding_window_matches_target(sp_tokenizer, monkeypatch):
+    from xtokspec import XTokSpec
+    from xtokspec.kv import DynamicKV
+
+    target, draft = sliding_pair(sp_tokenizer)
+    spec = XTokSpec((target, sp_tokenizer), (draft, sp_tokenizer))
+    assert len(sp_tokenizer(SLIDING_PROMPT)["input_ids"]) > target.config.sliding_window
+    setting = SETTINGS[SLIDING_SETTING]
+    params = spec.sampling_params(do_sample=True, **setting)
+    exact = exact_continuations(target, sp_tokenizer, SLIDING_PROMPT, params, LENGTH, spec.target_eos)
+
+    def draw(start, n):
+        return sample_continuations(spec, setting, "auto", SLIDING_PROMPT, n, start)
+
+    samples, deep_share = draw(0, SLIDING_RUNS)
+    assert deep_share >= MIN_SLIDING_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle"
+    result = reference.assert_samples_match(samples, exact, ALPHA, "past a sliding window")
+    with monkeypatch.context() as patch:
+        patch.setattr(DynamicKV, "rollback", stale_sliding_rollback)
+        control, control_runs = run_control("sliding stale-rollback", exact, "rolled-back states left in the window",
+                                            lambda start, n: draw(start, n)[0])
+    print(f"past a sliding window (N={SLIDING_RUNS}): p={result.pvalue:.3g}, deep share {deep_share:.2f}; "
+          f"stale-rollback control p={control.pvalue:.3g} (N={control_runs})")
 
 
 # ---------------------------------------------------------------- G. the negative controls' sizes
@@ -917,7 +966,7 @@ CONTROLS = {
     "dynamic-onehot-t1.0-k3 residual first": Control(
         _law("onehot", "t1.0-k3"), 1000, 2500, 26, ((1000, 5.59e-7, 25), (1000, 1.01e-7, 25), (1500, 5.65e-17, 26))),
     "dynamic-onehot-t1.0-k3 untested deep": Control(
-        _law("onehot", "t1.0-k3"), 500, 1200, 25, ((1000, 5.6e-18, 25), (500, 2.12e-11, 24))),
+        _law("onehot", "t1.0-k3"), 500, 1250, 25, ((1000, 5.6e-18, 25), (500, 2.12e-11, 24))),
     "static-intersection-t1.0-k3 half-map deep": Control(
         _law("intersection", "t1.0-k3"), 250, 500, 24, ((1000, 2.1e-53, 25),)),
     "dynamic-intersection-t0.7-k6-p0.9 half-map first": Control(
@@ -941,6 +990,9 @@ CONTROLS = {
     "trimmed draws-trimmed": Control(
         _law(*TRIM_CASE[1:]), 300, 600, 24, ((1000, 6.9e-43, 25), (400, 8.59e-18, 21))),
     "alone unwarped": Control(_law(*ALONE_CASE[1:], length=ALONE_LENGTH), 150, 150, 5, ((600, 0.0, 39),)),
+    # a support violation at 100 runs on seeds 0-99 and 1,000-1,099, and at 150 on seeds 2,000-2,149
+    "sliding stale-rollback": Control((SLIDING_PROMPT, SLIDING_SETTING, LENGTH, "sliding"), 100, 100, 5,
+                                      ((100, 0.0, 5), (100, 0.0, 5), (150, 0.0, 8))),
 }
 
 
@@ -986,7 +1038,8 @@ def test_controls_are_sized_to_miss_rarely():
     used |= {f"tree {'-'.join(case)} {where}" for case in TREE_CASES for where in TREE_CONTROLS[case]}
     used |= {f"sampled-root {'-'.join(case)} {flaw}"
              for case in SAMPLED_ROOT_CASES for flaw in SAMPLED_ROOT_CONTROLS[case]}
-    used |= {"switching peeking", "longer later-onehot-residual", "trimmed draws-trimmed", "alone unwarped"}
+    used |= {"switching peeking", "longer later-onehot-residual", "trimmed draws-trimmed", "alone unwarped",
+             "sliding stale-rollback"}
     assert used == set(CONTROLS)
 
 

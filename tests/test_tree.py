@@ -6,12 +6,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mutants import unnormalised_walk
 from test_greedy import HOSTILE_PROMPTS, NEW_TOKENS, check_prompts
 
 import reference.tree as ref
+import xtokspec.tree
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.cache import ModelState, move_positions
+from xtokspec.cache import ModelState
+from xtokspec.compile import move_positions
 from xtokspec.tree import Trie, verify_tree_greedy, verify_tree_sampled
+
+
+def ancestors(trie: Trie, node: int) -> list[int]:
+    """node's path from the root's first child down to node itself (empty for the root)."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = trie.parents[node]
+    return out[::-1]
 
 
 def make_trie(paths) -> Trie:
@@ -63,15 +75,15 @@ def test_pruned_trie_keeps_the_most_valuable_nodes_with_their_parents():
         assert small.size == keep
         expected = sorted(trie.values[1:], reverse=True)[:keep]
         assert sorted(small.values[1:], reverse=True) == expected
-        kept_paths = {tuple(small.path_tokens(small.ancestors(n))) for n in range(1, small.size + 1)}
-        all_paths = {tuple(trie.path_tokens(trie.ancestors(n))): n for n in range(1, trie.size + 1)}
+        kept_paths = {tuple(small.path_tokens(ancestors(small, n))) for n in range(1, small.size + 1)}
+        all_paths = {tuple(trie.path_tokens(ancestors(trie, n))): n for n in range(1, trie.size + 1)}
         for path in kept_paths:  # every kept node is a node of the trie, with its value, and its parent is kept
             assert path in all_paths and (len(path) == 1 or path[:-1] in kept_paths)
         for n in range(1, small.size + 1):
             assert small.parents[n] < n and small.depths[n] == small.depths[small.parents[n]] + 1
-            assert small.values[n] == trie.values[all_paths[tuple(small.path_tokens(small.ancestors(n)))]]
+            assert small.values[n] == trie.values[all_paths[tuple(small.path_tokens(ancestors(small, n)))]]
         for kids in small.children:  # siblings in their original order
-            original = [all_paths[tuple(small.path_tokens(small.ancestors(c)))] for c in kids]
+            original = [all_paths[tuple(small.path_tokens(ancestors(small, c)))] for c in kids]
             assert original == sorted(original)
     assert trie.pruned(trie.size) is trie
 
@@ -79,52 +91,58 @@ def test_pruned_trie_keeps_the_most_valuable_nodes_with_their_parents():
 def test_the_tree_budget_maximises_expected_tokens_per_second():
     """The policy verifies the n most valuable nodes that maximise (1 + r * sum of values) / (spent + verify(n)),
     with verify(n) its fitted cost line and r the measured ratio of accepted to predicted nodes."""
-    from xtokspec.decode import DraftLengthPolicy
+    from policies import drafted
 
-    policy = DraftLengthPolicy(SpecConfig(tree_width=4))
+    from xtokspec.policy import TreeBudget, VerifyCost
+
+    cost = VerifyCost()
+    budget = TreeBudget(SpecConfig(tree_width=4), cost)
     values = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
-    assert policy.tree_nodes(values, 0.01) == len(values)  # nothing measured yet: all
+    assert budget.nodes(values, 0.01) == len(values)  # nothing measured yet: all
     for n in (2, 4, 8, 16, 6):  # verification costs 10 ms + 2 ms per node
-        policy.update(2, 2, 1, 0.002, 0.010 + 0.002 * n, nodes=n, rejected=True)
+        cost.observe(n, 0.010 + 0.002 * n)
+        budget.observe(drafted(2, 2, 1, 0.002, 0.010 + 0.002 * n, nodes=n, rejected=True))
     for _ in range(40):
-        policy.calibrate(2.0, 1)  # accepted half the predicted nodes
+        budget.observe(drafted(2, 2, 1, 0.002, 0.01, predicted=2.0))  # accepted half the predicted nodes
 
     def brute(r, spent):
         rates = [(1 + r * sum(values[:n])) / (spent + 0.010 + 0.002 * n) for n in range(1, len(values) + 1)]
         return 1 + int(np.argmax(rates))
 
-    r = policy.realised / policy.predicted
+    r = budget.realised / budget.predicted
     assert abs(r - 0.5) < 0.02
-    assert policy.tree_nodes(values, 0.004) == brute(r, 0.004)
-    assert 1 < policy.tree_nodes(values, 0.004) < len(values)
-    assert policy.tree_nodes(values, 1.0) == len(values)  # a slow draft: every node is worth its 2 ms
+    assert budget.nodes(values, 0.004) == brute(r, 0.004)
+    assert 1 < budget.nodes(values, 0.004) < len(values)
+    assert budget.nodes(values, 1.0) == len(values)  # a slow draft: every node is worth its 2 ms
     for config in (SpecConfig(tree_width=4, adaptive=False), SpecConfig(tree_width=4, prune_tree=False)):
-        unpruned = DraftLengthPolicy(config)
-        unpruned.verify, unpruned.cycles = policy.verify, policy.cycles
-        assert unpruned.tree_nodes(values, 0.004) == len(values)
+        unpruned = TreeBudget(config, cost)
+        unpruned.cycles = budget.cycles
+        assert unpruned.nodes(values, 0.004) == len(values)
 
 
 def test_a_captured_tree_is_costed_per_bucket():
     """Through a compiled target a trie is verified padded to a bucket: the budget compares the sizes the buckets
     carry (room), each at the fastest of its recent times; sizes seen fewer than twice are tried first (largest
     first), and a first call that compiled does not make its size look slow for good."""
-    from xtokspec.cache import padded_length
-    from xtokspec.decode import DraftLengthPolicy
+    from policies import drafted
+
+    from xtokspec.compile import padded_length
+    from xtokspec.policy import TreeBudget, VerifyCost
 
     room = lambda n: padded_length(1 + n) - 1  # noqa: E731  (one uncached id before the nodes, as every cycle)
     cost = {1: 0.0110, 3: 0.0112, 7: 0.0120, 15: 0.0135, 31: 0.0170}  # the H100's shape: a step per bucket
     values = [0.9, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1] + [0.02] * 24  # 31 drafted nodes, the later ones worth little
     times = {}
-    policy = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=times)
+    policy = TreeBudget(SpecConfig(tree_width=4), VerifyCost(), size_times=times)
     for _ in range(3):  # nothing measured yet (the first cycles verify every node)
-        assert policy.tree_nodes(values, 0.004, room) == len(values)
-        policy.update(4, 4, 1, 0.004, 2.0 if not times else cost[31], nodes=31, rejected=True, size=31)
+        assert policy.nodes(values, 0.004, room) == len(values)
+        policy.observe(drafted(4, 4, 1, 0.004, 2.0 if not times else cost[31], nodes=31, rejected=True, size=31))
     explored = []
     for _ in range(12):
-        size = policy.tree_nodes(values, 0.004, room)
+        size = policy.nodes(values, 0.004, room)
         assert size == room(size)  # a whole bucket's worth of nodes, never a part of one
         explored.append(size)
-        policy.update(4, 4, 1, 0.004, cost[size], nodes=size, rejected=True, size=size)
+        policy.observe(drafted(4, 4, 1, 0.004, cost[size], nodes=size, rejected=True, size=size))
     assert explored[:8] == [15, 15, 7, 7, 3, 3, 1, 1]  # each smaller size twice, the largest first
 
     def best(r):
@@ -136,40 +154,43 @@ def test_a_captured_tree_is_costed_per_bucket():
     # a verification as cheap at 32 rows as at 2: every node is worth taking, though the largest size's first
     # call took 2 s (compiling)
     cheap = {n: [0.0110, 0.0110] for n in cost} | {31: [2.0, 0.0110]}
-    fresh = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=cheap)
+    fresh = TreeBudget(SpecConfig(tree_width=4), VerifyCost(), size_times=cheap)
     fresh.cycles = 3
-    assert fresh.tree_nodes(values, 0.004, room) == 31
-    assert fresh.tree_nodes(values[:5], 0.004, room) == 5  # the bucket holds 7; the trie has 5
+    assert fresh.nodes(values, 0.004, room) == 31
+    assert fresh.nodes(values[:5], 0.004, room) == 5  # the bucket holds 7; the trie has 5
     # a second generation of the same XTokSpec starts from the sizes already measured
-    again = DraftLengthPolicy(SpecConfig(tree_width=4), size_times=times)
+    again = TreeBudget(SpecConfig(tree_width=4), VerifyCost(), size_times=times)
     again.cycles, again.predicted, again.realised = 3, policy.predicted, policy.realised
-    assert again.tree_nodes(values, 0.004, room) == 7
+    assert again.nodes(values, 0.004, room) == 7
 
 
 def test_the_verification_cost_line_ignores_the_prompt_and_noise_from_equal_counts():
     """The first cycle's verification also carries the prompt: it is left out of the cost line. Counts that
     barely vary give no slope (a steep line from them would be noise), and the slope never exceeds the line
     through the origin."""
-    from xtokspec.decode import DraftLengthPolicy
+    from policies import drafted
 
-    policy = DraftLengthPolicy(SpecConfig(tree_width=4))
-    policy.update(2, 2, 1, 0.002, None, nodes=4, rejected=True)  # the prefill cycle: 1 s, not recorded
-    assert policy.verify[0] == 0 and policy._verify_cost(4) == 0.0
+    from xtokspec.policy import DraftLength
+
+    policy = DraftLength(SpecConfig(tree_width=4))
+    cost = policy.verify_cost
+    policy.observe(drafted(2, 2, 1, 0.002, None, nodes=4, rejected=True))  # the prefill cycle: not recorded
+    assert cost.sums[0] == 0 and cost(4) == 0.0
     for t in (0.010, 0.012, 0.011):  # 4 nodes every time
-        policy.update(2, 2, 1, 0.002, t, nodes=4, rejected=True)
-    assert abs(policy._verify_cost(4) - policy._verify_cost(40)) < 1e-12  # no slope
+        policy.observe(drafted(2, 2, 1, 0.002, t, nodes=4, rejected=True))
+    assert abs(cost(4) - cost(40)) < 1e-12  # no slope
     for n, t in ((1, 0.001), (8, 0.100), (2, 0.001), (9, 0.120)):  # a steep line with a negative intercept
-        policy.update(2, 2, 1, 0.002, t, nodes=n, rejected=True)
-    assert policy._verify_cost(0) >= -1e-12  # clamped to the line through the origin
+        policy.observe(drafted(2, 2, 1, 0.002, t, nodes=n, rejected=True))
+    assert cost(0) >= -1e-12  # clamped to the line through the origin
 
 
 @pytest.mark.parametrize("node_cost", [0.0, 1.0], ids=["free-nodes", "costly-nodes"])
 def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_prompts, monkeypatch):
     """Whatever the budget keeps, greedy output is the target's own: nodes that cost nothing are all
     verified; nodes that cost a second each are cut to one per cycle."""
-    from xtokspec.decode import DraftLengthPolicy
+    from xtokspec.policy import VerifyCost
 
-    monkeypatch.setattr(DraftLengthPolicy, "_verify_cost", lambda self, m: 0.01 + node_cost * m)
+    monkeypatch.setattr(VerifyCost, "__call__", lambda self, m: 0.01 + node_cost * m)
     spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(tree_width=4))
     for line in check_prompts(spec, ja_target, heldout_prompts[:4], 24, {}):
         print("near-tie:", line)
@@ -237,10 +258,10 @@ def test_tree_forward_scores_every_path_and_keeps_only_the_accepted_one(arch, ba
         logits = state.forward_tree(trie.tokens, trie.parents)
         assert logits.shape[0] == trie.size + 1
         for node in range(trie.size + 1):
-            path = trie.path_tokens(trie.ancestors(node))
+            path = trie.path_tokens(ancestors(trie, node))
             want = model(input_ids=torch.tensor([prompt + [42, 43] + path])).logits[0, -1]
             torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=0)
-        path = trie.ancestors(trie.tokens.index(11))  # nodes 9 -> 10 -> 11: not the first nodes
+        path = ancestors(trie, trie.tokens.index(11))  # nodes 9 -> 10 -> 11: not the first nodes
         state.keep_path(path, trie.tokens)
         assert state.ids[-3:] == [9, 10, 11] and state.cached == len(state.ids)
         state.ids.append(99)
@@ -296,8 +317,11 @@ def random_case(seed: int, vocab: int = 6, nodes: int = 7):
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize):
-    """xtokspec.tree and reference.tree make the same decisions from the same draws (2,000 random tries)."""
+def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize, monkeypatch):
+    """xtokspec.tree and reference.tree make the same decisions from the same draws (2,000 random tries); and so
+    do their negative controls (the walk without renormalisation: tests/mutants.py, reference's flag)."""
+    if not renormalize:
+        monkeypatch.setattr(xtokspec.tree, "walk_sampled", unnormalised_walk())
     agree_paths = 0
     for seed in range(2000):
         tokens, parents, probs, uniforms, noise = random_case(seed)
@@ -311,8 +335,7 @@ def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize)
         width = trie.max_children()
         got = verify_tree_sampled(torch.tensor(probs, dtype=torch.float32), trie,
                                   torch.tensor(uniforms[:, :width], dtype=torch.float32),
-                                  torch.tensor(noise, dtype=torch.float32),
-                                  renormalize=renormalize)
+                                  torch.tensor(noise, dtype=torch.float32))
         want = ref.tree_walk(tokens, parents, probs.astype(np.float32).astype(np.float64),
                              uniforms[:, :width].astype(np.float32).astype(np.float64),
                              noise.astype(np.float32).astype(np.float64), renormalize=renormalize)
@@ -450,19 +473,21 @@ def test_tree_cost_benchmark_builds_tries_of_the_asked_size_and_fits_a_line():
 def test_the_draft_length_policy_models_a_trees_first_level_apart():
     """A tree whose first level is always accepted and whose deeper levels never are should not be drafted
     deep: the policy keeps the two acceptance rates apart (a chain's single rate would call it 50%)."""
-    from xtokspec.decode import DraftLengthPolicy
+    from policies import drafted
 
-    policy = DraftLengthPolicy(SpecConfig(tree_width=4, num_draft_tokens=4))
+    from xtokspec.policy import DraftLength
+
+    policy = DraftLength(SpecConfig(tree_width=4, num_draft_tokens=4))
     for _ in range(30):  # K draft steps of 1 ms; verifying 4 nodes per step costs 10 ms + 0.5 ms per node
         k = policy.k
         nodes = 4 * k
-        policy.update(k, k, 1, 0.001 * k, 0.010 + 0.0005 * nodes, nodes=nodes, rejected=k > 1)
+        policy.observe(drafted(k, k, 1, 0.001 * k, 0.010 + 0.0005 * nodes, nodes=nodes, rejected=k > 1))
         policy.k = (policy.cycles % 4) + 1  # try every depth, as the measurements would come
     a1 = policy.first_successes / (policy.first_successes + policy.first_failures)
     a = policy.successes / (policy.successes + policy.failures)
     assert a1 > 0.9 and a < 0.1
     assert policy.next_k() == 1
-    chain = DraftLengthPolicy(SpecConfig(num_draft_tokens=4))
+    chain = DraftLength(SpecConfig(num_draft_tokens=4))
     assert not chain.tree
 
 

@@ -5,7 +5,7 @@
     result = spec.generate("自然言語処理とは何か", max_new_tokens=128)
 """
 
-from .decode import XTokSpec
+from .spec import XTokSpec
 from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError
 
 __all__ = ["XTokSpec", "GenerationResult", "GenerationStats", "SamplingParams", "SpecConfig", "XTokSpecError"]

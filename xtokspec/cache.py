@@ -1,20 +1,9 @@
-"""A model's token ids and its KV cache: the only code that knows the cache layout.
+"""A model's token ids and its KV cache: with its backends (xtokspec/kv.py), the only code that knows the cache
+layout.
 
 Invariant: the cache holds keys/values for exactly `ids[:cached]`; `forward` feeds `ids[cached:]`, and
-`truncate(n)` drops ids and cached positions past n in place (a rejection costs no recompute).
-
-Two backends, chosen per model (`SpecConfig.cache`; "auto" = static on CUDA, dynamic elsewhere):
-- dynamic: transformers' DynamicCache; it grows with the ids, and a rollback crops every layer (a slice).
-- static: transformers' StaticCache, one preallocated (1, heads, capacity, head_dim) buffer per layer and a
-  length. A rollback only moves the length (`cumulative_length`, in place: no copy, no host sync); entries past
-  it are overwritten by the next forward, which writes at positions length.., and until then the causal mask
-  hides them (a query at position t attends to positions <= t). This relies on StaticLayer writing at
-  `cumulative_length + arange(T)` (transformers 5.x; tests/test_cache.py pins it against the installed version).
-  That whole-buffer layer serves compiled steps (fixed shapes); eager forwards use `_PrefixStaticLayer`, the
-  same buffer with a Python-int length, which attends over the written prefix only. A compiled model's buffer
-  has one of a few sizes (`buffer_capacity`) and passes from one generation to the next (`reuse`), so its
-  graphs are compiled once per size and keep their buffers' addresses. Eager static buffers are sized and
-  passed on the same way (nothing is allocated or initialised per generation).
+`truncate(n)` drops ids and cached positions past n in place (a rejection costs no recompute). Short forwards
+run through a compiled fixed-shape step (xtokspec/compile.py) when the model has one.
 
 Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
@@ -29,298 +18,26 @@ lives for one cycle).
 
 from __future__ import annotations
 
-import inspect
 import logging
-import time
 
 import numpy as np
 import torch
-from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers import DynamicCache
 
-from .types import XTokSpecError
+from .compile import COMPILE_BUCKETS, PAD_ID, move_positions, padded_length
+from .kv import (
+    DynamicKV,
+    RollbackTooDeep,
+    StaticKV,
+    buffer_capacity,
+    cache_keyword,
+    input_device,
+    sliding_layers,
+    takes_tree_masks,
+    to_device,
+)
 
 log = logging.getLogger("xtokspec")
-
-CACHE_BACKENDS = ("dynamic", "static")
-# Lengths a compiled forward is padded to, so that a captured graph is recorded once per bucket, not per K.
-# Longer inputs (prompt prefills) run eagerly.
-COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32)
-PAD_ID = 0  # fills a bucket; its positions are written to the static cache and rolled back at once
-MIN_BUFFER_CAPACITY = 256
-
-
-def padded_length(length: int) -> int | None:
-    """The bucket a compiled forward over `length` ids is padded to, or None past the largest (run eagerly)."""
-    return next((b for b in COMPILE_BUCKETS if b >= length), None)
-
-
-def cache_keyword(model) -> str:
-    """The keyword `model.forward` takes its KV cache by: "cache" from transformers 5.24 on, which deprecates
-    "past_key_values" (a FutureWarning per call site; removed in 5.40), and "past_key_values" before that and in
-    models that have not moved (remote code, older classes).
-
-    A forward wrapped on the instance (a hook, a profiler, a test's slowed forward) usually takes only
-    `*args, **kwargs` and names neither: then the class's own forward (or a compiled module's original) decides.
-    """
-    for forward in (getattr(model, "forward", None), getattr(type(model), "forward", None),
-                    getattr(getattr(model, "_orig_mod", None), "forward", None)):
-        try:
-            parameters = inspect.signature(forward).parameters
-        except (TypeError, ValueError):  # absent, or without an inspectable signature
-            continue
-        for name in ("cache", "past_key_values"):
-            if name in parameters:
-                return name
-    return "past_key_values"  # the long-standing name
-
-
-def buffer_capacity(needed: int, limit: int) -> int:
-    """A static buffer's size: `needed` positions rounded up to the next of 256, 384, 512,
-    768, 1024, 1536, ... (a power of two or 1.5 times one), at most the model's `limit`.
-
-    torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
-    every bucket of both models whenever a prompt's length was new: on an H100 at the 13B shapes that stalled
-    the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, section GPU). Rounded, a process
-    compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows. Compiled steps attend
-    over the whole buffer, so the classes are kept within 1.5x of each other (at most a third of a buffer is
-    past the longest generation that needed it), at about twice as many classes as powers of two alone."""
-    size = MIN_BUFFER_CAPACITY
-    while size < needed:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return max(min(size, limit), needed)
-
-
-def input_device(model) -> torch.device:
-    """Where a (possibly accelerate-sharded) model wants its input ids: the embedding's device."""
-    return model.get_input_embeddings().weight.device
-
-
-def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host data (a list or a CPU tensor) as a tensor on `device`, without making the host wait for the device.
-
-    On CUDA, a copy from pageable host memory first waits for the stream to drain (measured on an H100: the
-    input ids of every draft and verify forward were one such sync each, two per cycle besides the two
-    transfers the loop needs). Pinned memory with a non-blocking copy queues instead; torch's pinned
-    allocator keeps the buffer until the copy has run."""
-    tensor = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def sliding_layers(model) -> list[str]:
-    """Layer types of `model` whose cache is a ring buffer (moving its length back is not a rollback)."""
-    config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None) or []
-    if not types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        types = ["sliding_attention"]
-    return sorted({t for t in types if t != "full_attention"})
-
-
-# Attention implementations that apply a 4D additive mask as given (a tree's ancestor mask). flash-attention
-# takes padding masks only; flex attention crashed the process on this project's CPU given one.
-TREE_MASK_ATTENTION = ("sdpa", "eager")
-
-
-def takes_tree_masks(model) -> bool:
-    """Whether `model`'s attention applies an arbitrary 4D mask (token trees' tree-masked forwards)."""
-    return getattr(model.config, "_attn_implementation", None) in TREE_MASK_ATTENTION
-
-
-def choose_backend(model, requested: str, compiled: bool = False) -> str:
-    """'auto' -> static on CUDA or when compiled (if every layer is full attention), dynamic elsewhere; checks
-    an explicit choice."""
-    if requested not in ("auto", *CACHE_BACKENDS):
-        raise XTokSpecError(f"cache must be 'auto', 'dynamic' or 'static', got {requested!r}")
-    sliding = sliding_layers(model)
-    if compiled and (requested == "dynamic" or sliding):
-        raise XTokSpecError(
-            f"compile=True needs the static cache, which {type(model).__name__} cannot use here "
-            f"(cache={requested!r}, sliding layers {sliding or 'none'}): use compile=False"
-        )
-    if requested == "auto":
-        return "static" if (compiled or input_device(model).type == "cuda") and not sliding else "dynamic"
-    if requested == "static" and sliding:
-        raise XTokSpecError(
-            f"cache='static' needs full-attention layers; {type(model).__name__} has {sliding} layers (a ring "
-            "buffer, which a length cannot roll back): use cache='dynamic'"
-        )
-    return requested
-
-
-class _DynamicKV:
-    """transformers' DynamicCache: grows with the ids; rollback crops every layer."""
-
-    def __init__(self, model, capacity: int):
-        self.cache = DynamicCache(config=model.config)
-        self.capacity = capacity
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def advance(self, n: int) -> None:
-        pass  # the cache's own length grew in the forward
-
-    def mask_length(self, n_new: int) -> int:
-        return self.length + n_new  # keys after the update: the cache and the new ones
-
-    def layer_tensors(self):
-        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
-
-    def rollback(self, n: int) -> None:
-        extra = self.length - n
-        if extra > 0:
-            self.cache.crop(-extra)
-
-
-class _PrefixStaticLayer(StaticLayer):
-    """A StaticLayer whose update returns only the written prefix of its buffer, for eager forwards.
-
-    transformers' StaticLayer returns (and its mask covers) the whole preallocated buffer at every step, the
-    fixed shape a captured graph needs; eagerly that is wasted attention over empty positions (5-8% of a step on
-    the CPU fixtures). Here the length is a Python int (no tensor arithmetic per layer), the new keys and values
-    are copied into the buffer's slice, and the prefix `[:, :, :length + T]` is returned as a view, with a mask
-    as long: the same buffer, the same rollback (move the length), no copy of the past."""
-
-    # NOTE: not for torch.compile (the prefix's shape changes every step). It also lets transformers' masking
-    # skip the mask of a one-token step (sdpa's is_causal), as it does for a DynamicCache: a StaticLayer's
-    # one-token steps get a materialized (1, 1, 1, capacity) mask.
-    is_compileable = False
-
-    def __init__(self, max_cache_len: int, **kwargs):
-        super().__init__(max_cache_len=max_cache_len, **kwargs)
-        self.length = 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.max_cache_len:
-            raise RuntimeError(f"{end} positions exceed the static cache's {self.max_cache_len}")
-        self.keys[:, :, start:end].copy_(key_states)  # (1, heads, T, head_dim) into the buffer, in place
-        self.values[:, :, start:end].copy_(value_states)
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-class _StaticKV:
-    """transformers' StaticCache of `capacity` positions; the length lives here as a Python int (no host sync).
-
-    `prefix` (eager use): attend over the written positions only (`_PrefixStaticLayer`); without it (compiled
-    steps) over the whole buffer, whose shape never changes."""
-
-    def __init__(self, model, capacity: int, prefix: bool = False):
-        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        if prefix:
-            for i, layer in enumerate(self.cache.layers):
-                if type(layer) is not StaticLayer:
-                    raise XTokSpecError(f"the static cache has a {type(layer).__name__} layer, not a full-attention one")
-                self.cache.layers[i] = _PrefixStaticLayer(max_cache_len=capacity)
-        self.prefix = prefix
-        self.capacity = capacity
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def advance(self, n: int) -> None:
-        self._length += n
-
-    def mask_length(self, n_new: int) -> int:
-        if self.prefix:
-            return self._length + n_new
-        return self.capacity  # attention runs over the whole buffer; the mask hides what is not written
-
-    def layer_tensors(self):
-        return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
-
-    def reset(self) -> None:
-        """Empty, whatever state a forward left it in (one that raised may have moved some layers' lengths)."""
-        self._length = max(self._length, 1)
-        self.rollback(0)
-
-    def rollback(self, n: int) -> None:
-        if n >= self._length:
-            return
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(n)  # (); in place: a captured graph keeps its address
-            if isinstance(layer, _PrefixStaticLayer):
-                layer.length = min(layer.length, n)  # its own length; cumulative_length is unused
-        self._length = n
-
-
-class CompiledStep:
-    """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode).
-
-    torch.compile compiles inside the first call of each new shape (bucket length x buffer size): seconds on a
-    CPU, minutes for a 13B model on a GPU (BENCHMARKS.md, section GPU). Those calls are logged (logger
-    "xtokspec", INFO; the CLI prints it), with their duration, so a long first generation says why it is long."""
-
-    def __init__(self, model, role: str = "model"):
-        import torch._dynamo.config as dynamo_config
-
-        # NOTE: one graph per bucket and model: a target and a draft of the same class share forward's code
-        # object, and past dynamo's recompile limit (8 by default) it would silently run eagerly.
-        needed = 8 * len(COMPILE_BUCKETS)  # chain and tree steps, two models
-        if getattr(dynamo_config, "recompile_limit", needed) < needed:
-            dynamo_config.recompile_limit = needed
-        self.cuda = input_device(model).type == "cuda"
-        self.mode = "reduce-overhead" if self.cuda else None  # CUDA graphs
-        self.compiled = torch.compile(model, mode=self.mode, dynamic=False)
-        self.cache_keyword = cache_keyword(model)
-        self.compiled_move = None  # keep_path's move, compiled at its first use (a target's, with trees)
-        self.role = role
-        self.shapes: set[tuple] = set()  # (ids, buffer size, tree mask) per forward; (positions, size, "move")
-
-    def __call__(self, *, input_ids: torch.Tensor, **kwargs):
-        """The compiled forward; `kwargs` name the cache by the model's `cache_keyword`."""
-        layers = getattr(kwargs.get(self.cache_keyword), "layers", None) or [None]
-        tree = kwargs.get("attention_mask") is not None  # a tree-masked forward: its own graph
-        shape = (input_ids.shape[1], getattr(layers[0], "max_cache_len", None), tree)
-        what = f"the {self.role}'s {shape[0]}-id {'tree ' if tree else ''}step over a {shape[1]}-position cache"
-        return self._run(shape, what, self.compiled, input_ids=input_ids, **kwargs)
-
-    def move_positions(self, tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
-        """`move_positions`, compiled once per index length (the buckets) and buffer size: eagerly two small
-        kernels per layer tensor (~160 launches for a 40-layer target), captured one replay."""
-        if self.compiled_move is None:
-            self.compiled_move = torch.compile(move_positions, mode=self.mode, dynamic=False)
-        shape = (index_from.shape[0], tensors[0].shape[2], "move")
-        what = f"the {self.role}'s {shape[0]}-position move over a {shape[1]}-position cache"
-        self._run(shape, what, self.compiled_move, tensors, index_from, index_to)
-
-    def _run(self, shape: tuple, what: str, compiled, *args, **kwargs):
-        """`compiled(*args, **kwargs)`, logging its first call of each shape (the one that compiles)."""
-        if shape in self.shapes:
-            return compiled(*args, **kwargs)
-        log.info("compiling %s (once per shape%s)", what, "; minutes for a large model" if self.cuda else "")
-        start = time.perf_counter()
-        out = compiled(*args, **kwargs)
-        self.shapes.add(shape)
-        log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
-        return out
-
-
-def move_positions(tensors: list[torch.Tensor], index_from: torch.Tensor, index_to: torch.Tensor) -> None:
-    """In every (batch, heads, positions, head_dim) cache tensor, copy positions `index_from` to `index_to`
-    (all read before any is written)."""
-    for t in tensors:
-        t.index_copy_(2, index_to, t.index_select(2, index_from))
-
-
-def compile_step(model, role: str = "model") -> CompiledStep:
-    """`model` compiled for fixed-length calls (see CompiledStep)."""
-    return CompiledStep(model, role)
 
 
 class ModelState:
@@ -331,14 +48,13 @@ class ModelState:
     """
 
     def __init__(self, model, ids: list[int], backend: str = "dynamic", capacity: int | None = None, step=None,
-                 tree_nodes: int = 0, reuse: _StaticKV | None = None):
+                 tree_nodes: int = 0, reuse: StaticKV | None = None):
         """`reuse`: the static cache (`kv`) of an earlier ModelState of this model, run the same way (compiled or
         eager), taken over if it is large enough: its buffers keep their addresses, so captured graphs stay valid
         and nothing is allocated, initialised or recompiled. Its old contents are harmless: the new prefill
         starts writing at position 0, and until a position is written again the causal mask hides it, as after
         any rollback."""
-        if step is not None and backend != "static":
-            raise ValueError("a compiled step needs the static backend")
+        assert step is None or backend == "static", "a compiled step needs the static backend"  # SpecConfig checks
         self.model = model
         self.step = step
         self.device = input_device(model)
@@ -361,9 +77,9 @@ class ModelState:
             reuse.reset()
             self.kv = reuse
         elif backend == "static":
-            self.kv = _StaticKV(model, capacity + tree_nodes, prefix=step is None)
+            self.kv = StaticKV(model, capacity + tree_nodes, prefix=step is None)
         else:
-            self.kv = _DynamicKV(model, capacity + tree_nodes)
+            self.kv = DynamicKV(model, capacity + tree_nodes)
 
     @property
     def cached(self) -> int:
@@ -378,7 +94,7 @@ class ModelState:
     def forward(self, keep: int) -> torch.Tensor:
         """Feed ids[cached:] and return the logits (keep, V) of the last `keep` of them."""
         if self.cached >= len(self.ids):  # all ids cached (e.g. after a rollback): recompute the last one
-            self.kv.rollback(len(self.ids) - 1)
+            self._rollback(len(self.ids) - 1)
         new = self.ids[self.cached :]
         if not 1 <= keep <= len(new):
             raise RuntimeError(f"forward over {len(new)} new ids cannot keep {keep} logits")
@@ -443,8 +159,51 @@ class ModelState:
     def truncate(self, n: int) -> None:
         """Keep ids[:n]; roll the cache back to at most n positions."""
         del self.ids[n:]
-        self.kv.rollback(n)
+        self._rollback(n)
         self._tree_parents = None  # an open tree's nodes are past every id: gone
+
+    def _rollback(self, n: int) -> None:
+        """Roll the cache back to n positions; where a sliding-window layer no longer holds what that needs (a
+        rollback deeper than DynamicKV keeps room for), start a new cache: the next forward feeds every id."""
+        try:
+            self.kv.rollback(n)
+        except RollbackTooDeep as err:
+            log.warning("%s; the cache is rebuilt from its %d ids", err, n)
+            self.kv = DynamicKV(self.model, self.kv.capacity, self.kv.spare)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next forward feeds more than one uncached id (the prompt, or ids after a resync)."""
+        return len(self.ids) - self.cached > 1
+
+    def extend(self, ids: list[int]) -> None:
+        """Append ids that the next forward will feed."""
+        self.ids.extend(ids)
+
+    def commit(self, proposed: int, accepted: int, next_token: int) -> None:
+        """After a chain verification that fed `proposed` proposal ids: keep `accepted` of them, then `next_token`."""
+        self.truncate(len(self.ids) - proposed + accepted)
+        self.ids.append(next_token)
+
+    def commit_path(self, path: list[int], tokens: list[int], next_token: int) -> None:
+        """After `forward_tree`: keep the nodes on `path` (`keep_path`), then append `next_token`."""
+        self.keep_path(path, tokens)
+        self.ids.append(next_token)
+
+    def resync(self, keep: int, extra: list[int]) -> None:
+        """Keep ids[:keep] and append `extra` (uncached: the next forward feeds them)."""
+        self.truncate(keep)
+        self.ids.extend(extra)
+
+    def drop(self, start: int, n: int) -> None:
+        """Forget ids[start:start + n] (a draft's window of the text moves on); the next forward feeds every id
+        again, at its new position."""
+        del self.ids[start : start + n]
+        if self.backend == "static":
+            self.kv.reset()
+        else:
+            self.kv = DynamicKV(self.model, self.kv.capacity, self.kv.spare)
+        self._tree_parents = None
 
     # ------------------------------------------------------------ token trees
     # A tree's node n >= 1 is written at cache position base + n - 1, and its position id is its parent's plus
@@ -464,7 +223,7 @@ class ModelState:
         With a compiled step, the forward is padded to a bucket and captured like a chain's (the padding's
         positions are rolled back). Until `keep_path`, the cache holds the nodes too."""
         if self.cached >= len(self.ids):
-            self.kv.rollback(len(self.ids) - 1)
+            self._rollback(len(self.ids) - 1)
         new = self.ids[self.cached :]
         self._open_tree(self.cached + len(new))
         return self._tree_forward(new, tokens[1:], parents[1:])
@@ -593,13 +352,9 @@ class ModelState:
         n = self.cached
         for layer_idx, (keys, values) in enumerate(self.kv.layer_tensors()):
             cache.update(keys[:, :, :n].repeat(rows, 1, 1, 1), values[:, :, :n].repeat(rows, 1, 1, 1), layer_idx)
+            if getattr(cache.layers[layer_idx], "is_sliding", False):
+                # NOTE: a sliding window's layer holds only its last positions: its length is the cache's, or the
+                # rows' positions and masks would start at the wrong place
+                cache.layers[layer_idx].cumulative_length = n
         return cache
 
-
-def select_rows(cache: DynamicCache, rows: list[int]) -> None:
-    """Reorder (and repeat) a branch cache's batch rows in place: row i becomes old row rows[i]."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            index = torch.tensor(rows, device=layer.keys.device)
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)

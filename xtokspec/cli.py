@@ -99,8 +99,6 @@ def _generate(args: argparse.Namespace) -> int:
     if do_sample:
         SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
-    if args.compile and args.cache == "dynamic":
-        raise XTokSpecError("--compile needs the static cache (fixed shapes): drop --cache dynamic")
     if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile):
         raise XTokSpecError("--cpu-linears onednn needs --dtype float32 and no --compile (oneDNN's packed float32 "
                             "linears on the CPU)")
@@ -114,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from .decode import XTokSpec
+    from .spec import XTokSpec
     from .types import GenerationStats
 
     hf_logging.disable_progress_bar()  # NOTE: no weight-loading bars on every run

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .types import GenerationStats, SamplingParams, XTokSpecError
+from . import options
+from .types import GenerationStats, XTokSpecError
 
 # generate() keywords that go to xtokspec rather than to the model (XTokSpec.generate's own options)
 OPTIONS = ("seed", "proposal", "num_draft_tokens", "adaptive", "tree_width")
@@ -87,18 +88,12 @@ def hf_generate(spec, model, input_ids: torch.Tensor, logits_processor, stopping
     if max_new_tokens <= 0:
         raise XTokSpecError(f"max_length {generation_config.max_length} leaves no room after the "
                             f"{len(prompt_ids)}-token prompt")
-    params = SamplingParams(
-        do_sample=bool(generation_config.do_sample),
-        temperature=generation_config.temperature if generation_config.temperature is not None else 1.0,
-        top_k=generation_config.top_k or 0,
-        top_p=generation_config.top_p if generation_config.top_p is not None else 1.0,
-        seed=seed,
-    )
+    params = options.sampling_params(generation_config, seed=seed, unset=options.PREPARED_DEFAULTS)
     draft_ids = spec.draft_prompt_ids(prompt_ids)
     stats = GenerationStats()
     sequence = input_ids
-    cycles = spec._cycles_from_ids(prompt_ids, draft_ids, max_new_tokens, stats, params, proposal=proposal,
-                                   num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree_width=tree_width)
+    cycles = spec.cycles(prompt_ids, draft_ids, max_new_tokens, stats, params, proposal=proposal,
+                         num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree_width=tree_width)
     with torch.inference_mode():
         try:
             for new_ids in cycles:

@@ -94,6 +94,16 @@ def load(spec, role: str, **load_kwargs):
     return model.eval(), tokenizer
 
 
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a model's continuation: its generation_config's eos_token_id, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
 def frozen_head_note(model, role: str) -> str | None:
     """A warning's text when `model` would hit torch 2.13's slow CPU bf16 linear in its output head: a head weight
     that does not require grad, given the slice of hidden states HF heads get (~20x slower; BENCHMARKS.md)."""
@@ -251,7 +261,7 @@ def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
     can still spell any text), then the ids most frequent in `texts` encoded by the draft's tokenizer (FR-Spec,
     Zhao et al. 2025), special tokens that occur in the text included, then the lowest remaining ids (BPE
     vocabularies list earlier merges first). Other special ids are not kept: Gemma-3 has 6,242 `<unused…>` ids.
-    `codec` is the draft's TokenCodec (xtokspec.bridge)."""
+    `codec` is the draft's TokenCodec (xtokspec.codec)."""
     if isinstance(texts, str):
         texts = [texts]
     texts = [t for t in (texts or []) if t]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sampling
-from .cache import to_device
+from .kv import to_device
 
 
 @dataclass
@@ -112,14 +112,6 @@ class Trie:
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
 
-    def ancestors(self, node: int) -> list[int]:
-        """node's path from the root's first child down to node itself (empty for the root)."""
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
-
     def max_children(self) -> int:
         return max(len(c) for c in self.children)
 
@@ -173,12 +165,11 @@ def sampled_tests(p: torch.Tensor, q: torch.Tensor, child_tokens: list[int]) -> 
 
 
 def walk_sampled(trie: Trie, p_children: list[list[float]], uniforms: list[list[float]],
-                 renormalize: bool = True, root_tests: list[tuple[float, float]] | None = None) -> tuple[list[int], int]:
+                 root_tests: list[tuple[float, float]] | None = None) -> tuple[list[int], int]:
     """Recursive rejection down the trie -> (accepted path, node where the walk stopped).
 
     p_children[n][j]: the target's probability of node n's j-th child at n; uniforms[n][j]: its U[0, 1) draw.
     root_tests (a sampled root): the root's children's tests (p_j(c_j), q_j(c_j)) from `sampled_tests`.
-    `renormalize=False` is the negative control of the tests (accepts c_j with p(c_j), not p'(c_j)): wrong.
     """
     node, path = 0, []
     while True:
@@ -192,7 +183,7 @@ def walk_sampled(trie: Trie, p_children: list[list[float]], uniforms: list[list[
                     break
                 continue
             p = p_children[node][j]
-            if uniforms[node][j] * (remaining if renormalize else 1.0) < p:
+            if uniforms[node][j] * remaining < p:
                 accepted = child
                 break
             remaining -= p
@@ -214,7 +205,7 @@ def residual(probs_row: torch.Tensor, excluded: list[int]) -> torch.Tensor:
 
 
 def verify_tree_sampled(probs: torch.Tensor, trie: Trie, uniforms: torch.Tensor, noise: torch.Tensor,
-                        renormalize: bool = True, root_q: torch.Tensor | None = None) -> tuple[list[int], int]:
+                        root_q: torch.Tensor | None = None) -> tuple[list[int], int]:
     """(N+1, V) warped target probabilities; uniforms (N+1, max children) U[0, 1); noise (V,) Exp(1) for the
     emitted token; root_q (V,): the draft distribution the root's children were drawn from without replacement
     (a sampled root), or None (one-hot root) -> (accepted path of node numbers, next token)."""
@@ -227,7 +218,7 @@ def verify_tree_sampled(probs: torch.Tensor, trie: Trie, uniforms: torch.Tensor,
         p_children, _ = child_probs(probs, trie)
         root_tests = None
     u = uniforms.tolist()
-    path, node = walk_sampled(trie, p_children, u, renormalize, root_tests)
+    path, node = walk_sampled(trie, p_children, u, root_tests)
     if sampled and node == 0:
         dist = root_rest
     else:

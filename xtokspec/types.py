@@ -6,6 +6,8 @@ Nothing here knows about torch or transformers; every other module imports from 
 from __future__ import annotations
 
 import math
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
@@ -95,6 +97,9 @@ class SpecConfig:
     # with adaptive: run the target alone (no draft) while the measured seconds per committed token say drafting
     # does not pay on this hardware, with a drafted cycle every few to notice when it does again
     fallback: bool = True
+    # most draft tokens of context the draft holds (None: its own limit): past it the draft keeps drafting from the
+    # most recent text, re-prefilled half the window at a time; it also caps what the draft prefills of a prompt
+    draft_context: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "max_draft_tokens"):
@@ -116,6 +121,11 @@ class SpecConfig:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
         if self.compile and self.cache == "dynamic":
             raise XTokSpecError("compile=True needs the static cache (fixed shapes): use cache='static' or 'auto'")
+        if self.draft_context is not None and (
+            isinstance(self.draft_context, bool) or not isinstance(self.draft_context, int)
+            or self.draft_context < 4 * self.max_draft_tokens):
+            raise XTokSpecError(f"draft_context must be None or an integer >= 4 * max_draft_tokens "
+                                f"({4 * self.max_draft_tokens}), got {self.draft_context!r}")
         for name in ("tree_width", "max_tree_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,6 +135,51 @@ class SpecConfig:
 def expected_tokens(alpha: float, proposals: float) -> float:
     """Tokens a cycle commits on average with per-token acceptance alpha < 1 (Leviathan et al. 2023, eq. 1)."""
     return (1 - alpha ** (proposals + 1)) / (1 - alpha)
+
+
+class Laps:
+    """A cycle's stage clock: `laps("draft")` adds the seconds since the last lap (or the start) to that stage."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] += now - self.last
+        self.last = now
+
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.start
+
+
+ALONE = "alone"  # the kind of a cycle that ran the target alone (SpecConfig.fallback)
+
+
+@dataclass(frozen=True)
+class CycleRecord:
+    """What one cycle did and what it cost: all that the statistics and the policies learn from it."""
+
+    kind: str  # the proposal kind it ran ("same-tokenizer", "onehot", "intersection", "greedy-bridge") or ALONE
+    draft_steps: int  # draft forwards
+    depth: int  # proposals in a row (a tree's depth)
+    nodes: int  # target-vocabulary ids verified (a chain's are its proposals)
+    accepted: int  # of the proposals in a row (a tree: nodes on the accepted path)
+    rejected: bool  # the cycle stopped at a rejection (else every proposal, or a tree's whole path, was accepted)
+    committed: int  # target tokens committed
+    draft_s: float
+    bridge_s: float  # bridging and both caches' commits (and catching the draft up after target-alone cycles)
+    verify_s: float
+    prefill: bool  # a model fed its whole context (the prompt): the cycle's times say nothing of its steps' cost
+    size: int | None = None  # a captured tree verification: the nodes its bucket carried
+    predicted: float | None = None  # a tree: its verified nodes' values summed (their expected accepted count)
+    pruned: int = 0  # a tree: drafted nodes left out of verification
+    sampled_root: bool = False  # a tree whose root candidates were drawn from the draft
+
+    @property
+    def alone(self) -> bool:
+        return self.kind == ALONE
 
 
 @dataclass
@@ -154,6 +209,25 @@ class GenerationStats:
     proposal_cycles: dict[str, int] = field(default_factory=dict)  # cycles per proposal kind (proposal="auto" mixes)
     # proposal="auto": each kind's expected accepted tokens per cycle, as the chooser last estimated them
     proposal_estimates: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, cycle: CycleRecord) -> None:
+        """Count one cycle."""
+        self.proposal_cycles[cycle.kind] = self.proposal_cycles.get(cycle.kind, 0) + 1
+        self.target_forwards += 1
+        self.draft_forwards += cycle.draft_steps
+        self.drafted += cycle.nodes
+        self.accepted += cycle.accepted
+        self.rejections += cycle.rejected
+        self.new_tokens += cycle.committed
+        self.draft_seconds += cycle.draft_s
+        self.bridge_seconds += cycle.bridge_s
+        self.verify_seconds += cycle.verify_s
+        self.draft_lengths.append(cycle.draft_steps)
+        self.proposal_lengths.append(cycle.nodes)
+        self.accepted_lengths.append(cycle.accepted)
+        self.pruned_nodes += cycle.pruned
+        self.sampled_roots += cycle.sampled_root
+        self.alone_cycles += cycle.alone
 
     @property
     def max_accepted_in_a_cycle(self) -> int:

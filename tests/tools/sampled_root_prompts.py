@@ -47,10 +47,10 @@ def main() -> None:
     captured = {}
     verify = tree.verify_tree_sampled
 
-    def spy(probs, trie, uniforms, noise, renormalize=True, root_q=None):
+    def spy(probs, trie, uniforms, noise, root_q=None):
         if root_q is not None:
             captured.setdefault("first", (probs[0].double().numpy(), root_q.double().numpy()))
-        return verify(probs, trie, uniforms, noise, renormalize, root_q)
+        return verify(probs, trie, uniforms, noise, root_q)
 
     tree.verify_tree_sampled = spy
     prompts = [line for line in (ROOT / "fixtures/data/prompts.txt").read_text(encoding="utf-8").splitlines() if line]

@@ -62,9 +62,9 @@ def main() -> None:
     captured = {}
     verify = tree.verify_tree_sampled
 
-    def spy(probs, trie, uniforms, noise, renormalize=True):
+    def spy(probs, trie, uniforms, noise, root_q=None):
         captured.setdefault("first", (trie, probs.double()))
-        return verify(probs, trie, uniforms, noise, renormalize)
+        return verify(probs, trie, uniforms, noise, root_q)
 
     tree.verify_tree_sampled = spy
     prompts = [line for line in (ROOT / "fixtures/data/prompts.txt").read_text(encoding="utf-8").splitlines() if line]

@@ -1,0 +1,163 @@
+"""The speculative loop across tokenizers: one cycle after another until EOS, the length asked, or a full context.
+
+One drafted cycle (Leviathan et al. 2023, Algorithm 1, with a text bridge in the middle):
+  1. propose: draft K tokens (a chain, or a tree) and move them onto the target's vocabulary (xtokspec/propose.py
+     with a mapper from xtokspec/mapping.py);
+  2. verify: one target forward over the uncommitted ids plus the proposals; accept a prefix (a tree: a path) and
+     emit one recovered or bonus token (xtokspec/verify.py);
+  3. commit: the target's cache keeps the accepted ids; the draft's context returns to the committed text (it
+     keeps the drafted ids whose bytes agree with it and re-encodes only the rest);
+  4. record: one `CycleRecord` feeds the statistics and every policy (xtokspec/policy.py).
+Where drafting does not pay, the fallback policy runs cycles of the target alone, one token each; the draft
+catches up with their text when it drafts again.
+
+Invariant after every cycle: the target's ids are exactly what it would have produced alone (greedy: equal ids;
+sampling: equal distribution), and the draft's context is the committed text up to its last complete character
+(once it has caught up with the target-alone cycles).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .cache import ModelState
+from .propose import ChainProposer, Proposal, TreeProposer
+from .types import ALONE, CycleRecord, GenerationStats, Laps
+from .verify import Sampler, Verdict, verify, verify_chain
+
+
+@dataclass
+class Run:
+    """One generation: both models' ids and caches, how its cycles propose and verify, what they learn from."""
+
+    target: ModelState
+    draft: ModelState
+    mapper: object  # mapping.SameVocab, TextBridge, IntersectionMap or Switching
+    proposer: ChainProposer | TreeProposer
+    sampler: Sampler | None  # None: greedy
+    policies: tuple  # DraftLength, TreeBudget, Fallback: each observes every cycle
+    stats: GenerationStats
+    target_eos: set[int]
+    target_limit: int  # the target's ids stop here (its context, or its cache)
+    draft_limit: int  # the draft's context: past it, its window of the text moves on (mapper.slide)
+    draft_room: int  # ids a cycle may draft
+    unsynced: list[int] = field(default_factory=list)  # target-alone cycles' ids the draft has not seen yet
+
+    @property
+    def draft_length(self):
+        return self.policies[0]
+
+    @property
+    def fallback(self):
+        return self.policies[2]
+
+
+def cycles(run: Run, max_new_tokens: int) -> Iterator[list[int]]:
+    """Run cycles until a stop reason; yield each cycle's committed target ids (the stats complete first)."""
+    produced = 0
+    start = time.perf_counter()
+    while produced < max_new_tokens:
+        remaining = max_new_tokens - produced
+        new_ids, record = alone_cycle(run, remaining) if run.fallback.run_alone() else drafted_cycle(run, remaining)
+        for observer in (run.stats, *run.policies):
+            observer.observe(record)
+        produced += len(new_ids)
+        run.stats.wall_seconds = time.perf_counter() - start
+        run.stats.stop_reason = stop_reason(run, new_ids, produced >= max_new_tokens)
+        yield new_ids
+        if run.stats.stop_reason:
+            return
+
+
+def drafted_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
+    """Propose, verify, commit -> the committed target ids and the cycle's record."""
+    target, draft = run.target, run.draft
+    catch_up_s = catch_up(run)
+    if len(draft.ids) + run.draft_room > run.draft_limit:  # keep the draft's most recent half of its context
+        run.mapper.current.slide(draft, len(draft.ids) - run.draft_limit // 2)
+    # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens ids
+    k = min(run.draft_length.next_k(), remaining - 1, run.draft_limit - len(draft.ids) - 1)
+    room = max(0, min(remaining - 1, run.target_limit - len(target.ids) - 1))
+    mapper = run.mapper.current
+    # a cycle in which either model feeds its whole context (the prompt; the draft after a target-alone first
+    # cycle or a moved window) says nothing of what drafting and verifying cost: the policies leave it out
+    prefill = target.prefilling or draft.cached == 0
+    laps = Laps()
+    proposal = run.proposer.propose(draft, k, mapper, room, laps)  # laps "draft" and "bridge"
+    verdict = verify(target, proposal, run.sampler)
+    laps("verify")
+    new_ids = commit(run, mapper, proposal, verdict, remaining)
+    laps("bridge")
+    trie = proposal.trie
+    record = CycleRecord(
+        kind=proposal.kind, draft_steps=proposal.draft_steps,
+        depth=trie.depth if trie else len(proposal.target_ids), nodes=trie.size if trie else len(proposal.target_ids),
+        accepted=verdict.accepted, rejected=verdict.rejected, committed=len(new_ids),
+        draft_s=laps.seconds["draft"], bridge_s=laps.seconds["bridge"] + catch_up_s, verify_s=laps.seconds["verify"],
+        prefill=prefill, size=proposal.size, predicted=sum(trie.values[1:]) if trie else None,
+        pruned=proposal.pruned, sampled_root=proposal.root_q is not None,
+    )
+    return new_ids, record
+
+
+def commit(run: Run, mapper, proposal: Proposal, verdict: Verdict, remaining: int) -> list[int]:
+    """Keep the accepted proposals and the next token in the target's cache, bring the draft back to the committed
+    text -> the committed target ids (cut after EOS and at `remaining`)."""
+    if proposal.trie is not None:
+        run.target.commit_path(verdict.path, proposal.trie.tokens, verdict.next_token)
+        new_ids = committed(proposal.trie.path_tokens(verdict.path) + [verdict.next_token], remaining, run.target_eos)
+        mapper.commit(run.draft, [], new_ids)  # NOTE: drops the draft's tree; the new text is re-encoded
+        return new_ids
+    accepted = proposal.target_ids[: verdict.accepted]
+    run.target.commit(len(proposal.target_ids), verdict.accepted, verdict.next_token)
+    new_ids = committed(accepted + [verdict.next_token], remaining, run.target_eos)
+    mapper.commit(run.draft, proposal.draft_ids, new_ids)
+    if proposal.first_probs is not None and verdict.target_probs is not None:
+        scores = run.mapper.observe(verdict.target_probs[0], proposal.first_probs, verdict.accepted)
+        if scores is not None:
+            run.stats.proposal_estimates = scores
+    return new_ids
+
+
+def alone_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
+    """One target step with no draft -> the committed id. The draft is not fed: the ids wait in `unsynced` until
+    a drafted cycle needs the draft again (`catch_up`)."""
+    t0 = time.perf_counter()
+    prefill = run.target.prefilling
+    verdict = verify_chain(run.target, [], None, run.sampler)  # no proposals: the target's own next token
+    run.target.extend([verdict.next_token])
+    new_ids = committed([verdict.next_token], remaining, run.target_eos)
+    run.unsynced += new_ids
+    return new_ids, CycleRecord(ALONE, 0, 0, 0, 0, False, len(new_ids), 0.0, 0.0, time.perf_counter() - t0, prefill)
+
+
+def catch_up(run: Run) -> float:
+    """Commit the target-alone cycles' ids to the draft's context (its forward feeds them when it next drafts)
+    -> the seconds it took, which count as the drafted cycle's bridge time."""
+    if not run.unsynced:
+        return 0.0
+    t0 = time.perf_counter()
+    run.mapper.current.commit(run.draft, [], run.unsynced)
+    run.unsynced = []
+    return time.perf_counter() - t0
+
+
+def committed(new_ids: list[int], remaining: int, eos: set[int]) -> list[int]:
+    """A cycle's accepted tokens plus its next token, cut after the first EOS and at `remaining`."""
+    for n, token in enumerate(new_ids):
+        if token in eos:
+            return new_ids[: min(n + 1, remaining)]
+    return new_ids[:remaining]
+
+
+def stop_reason(run: Run, new_ids: list[int], length_reached: bool) -> str:
+    """Why generation stops after this cycle (types.STOP_REASONS), or "" to go on."""
+    if new_ids[-1] in run.target_eos:
+        return "eos"
+    if length_reached:
+        return "length"
+    if len(run.target.ids) >= run.target_limit:
+        return "context"  # NOTE: the target alone could not go on either
+    return ""

@@ -1,0 +1,208 @@
+"""Moving drafted tokens onto the target's vocabulary, and the draft's context back onto the committed text.
+
+Three mappers, one per way a draft's proposals reach the target (the `kind` a cycle reports):
+- `SameVocab` ("same-tokenizer"): the draft's ids are the target's; its distributions too.
+- `TextBridge` ("onehot" when sampling, "greedy-bridge" when not): the drafted bytes re-encoded as target ids
+  (`bridge.TextSync`), proposed one-hot.
+- `IntersectionMap` ("intersection"): drafted ids with the same bytes in both vocabularies, with the draft's
+  distribution restricted to them and moved onto the target's ids; where an incomplete character is pending it
+  proposes through the text bridge instead.
+`Switching` (proposal="auto") runs one of the last two each cycle, as a `policy.ProposalChooser` decides.
+
+Every mapper's `commit` brings the draft's ids and cache back to the committed text, keeping the drafted ids
+that agree with it; `slide` moves the window of the text a draft with a shorter context holds. Shape legend: Vd the draft's vocabulary, Vt the target's, K the proposals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+
+from . import sampling
+from .bridge import TextSync
+from .cache import ModelState
+from .codec import byte_ends
+
+
+def resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
+    """Pad (with zeros) or cut the last dimension to `size` (draft and target embeddings may be padded differently)."""
+    if probs.shape[-1] >= size:
+        return probs[..., :size]
+    return torch.nn.functional.pad(probs, (0, size - probs.shape[-1]))
+
+
+class Fixed:
+    """A mapper that runs every cycle (all but `Switching`): it is its own `current`, and learns nothing."""
+
+    @property
+    def current(self):
+        return self
+
+    def observe(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: int) -> None:
+        return None
+
+
+class SameVocab(Fixed):
+    """One tokenizer: the draft's ids and distributions are the target's."""
+
+    kind = "same-tokenizer"
+    keeps_rows = True  # sampling: the verifier is given the draft's distributions
+    restrict = None  # no mask on the draft's distribution
+
+    def __init__(self, target_vocab: int, device: torch.device, head: int = 0):
+        self.target_vocab, self.device = target_vocab, device
+        self.head = head  # leading ids a window of the text keeps (BOS)
+
+    def to_target(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
+        """Drafted ids -> (target proposal ids, proposal distributions (K, Vt) or None for one-hot)."""
+        probs = torch.stack(rows).to(self.device) if rows else None
+        if probs is not None and probs.shape[-1] != self.target_vocab:
+            probs = resize_vocab(probs, self.target_vocab)
+        return list(drafted), probs
+
+    def branch_to_target(self, path: list[int], eos: bool, first: int | None = None) -> list[int]:
+        return list(path)
+
+    def node_values(self, path: list[int], scores: list[float], target_ids: list[int]) -> list[float]:
+        """Each target id's estimated chance of acceptance: the draft's probability of the branch up to it."""
+        return [math.exp(x) for x in scores[: len(target_ids)]]
+
+    def commit(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:
+        """Keep the drafted ids that the committed ones repeat; feed the rest."""
+        base = len(draft.ids) - len(drafted)
+        agree = 0
+        while agree < min(len(drafted), len(new_ids)) and drafted[agree] == new_ids[agree]:
+            agree += 1
+        draft.resync(base + agree, new_ids[agree:])
+
+    def slide(self, draft: ModelState, n: int) -> None:
+        """Forget the oldest n ids of the draft's context (after the head) and re-prefill the rest."""
+        draft.drop(self.head, n)
+
+    @property
+    def pending(self) -> bool:
+        return False
+
+
+class TextBridge(Fixed):
+    """Two tokenizers: drafted text re-encoded as target ids, proposed one-hot."""
+
+    keeps_rows = False
+    restrict = None
+
+    def __init__(self, sync: TextSync, target_eos: set[int], draft_prompt_len: int, kind: str, head: int = 0):
+        self.sync, self.kind = sync, kind
+        # NOTE: the draft's EOS becomes a target EOS candidate (BOS never appears mid-stream).
+        self.eos_candidate = min(target_eos) if target_eos else None
+        self.target_eos = target_eos
+        self.draft_prompt_len = draft_prompt_len  # the draft's ids before its continuation (its prompt's)
+        self.head = head  # leading ids a window of the text keeps (BOS)
+
+    @property
+    def pending(self) -> bool:
+        """An incomplete character of committed text waits for its next bytes."""
+        return bool(self.sync.pending)
+
+    def to_target(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
+        return self.sync.propose(drafted[:-1] if eos else drafted, self.eos_candidate if eos else None), None
+
+    def branch_to_target(self, path: list[int], eos: bool, first: int | None = None) -> list[int]:
+        """A tree branch's draft ids -> target ids, starting with `first` when a sampled root drew that target id."""
+        eos_candidate = self.eos_candidate if eos else None
+        if first is None:
+            return self.sync.propose(path[:-1] if eos else path, eos_candidate)
+        if first in self.target_eos:  # the draft's EOS drawn at the root
+            return [first]
+        return self.sync.propose_from(first, path[:-1] if eos else path, eos_candidate)
+
+    def node_values(self, path: list[int], scores: list[float], target_ids: list[int]) -> list[float]:
+        """Each target id's estimated chance of acceptance: the draft's probability of the branch up to the
+        draft id that completes the target id's bytes."""
+        draft_ends = byte_ends(self.sync.draft.token_bytes, path)
+        end, out = len(self.sync.pending), []
+        for t in target_ids:
+            size = len(self.sync.target.token_bytes[t])
+            end += size
+            # NOTE: an EOS candidate (no bytes) stands for the draft's EOS, the branch's last id
+            i = min(bisect.bisect_left(draft_ends, end), len(path) - 1) if size else len(path) - 1
+            out.append(math.exp(scores[i]))
+        return out
+
+    def commit(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:
+        """Re-encode the committed text's tail, keeping the drafted ids whose bytes agree with it."""
+        keep, extra = self.sync.commit(new_ids, drafted)
+        draft.resync(self.draft_prompt_len + keep, extra)
+
+    def slide(self, draft: ModelState, n: int) -> None:
+        """Forget the oldest n ids of the draft's context (after the head; the prompt's first, then continuation
+        ids up to a character boundary) and re-prefill the rest."""
+        from_prompt = min(n, self.draft_prompt_len - self.head)
+        dropped = from_prompt + self.sync.drop(n - from_prompt)
+        self.draft_prompt_len -= from_prompt
+        draft.drop(self.head, dropped)
+
+
+class IntersectionMap(Fixed):
+    """Two tokenizers, sampled: the draft draws among ids whose bytes the target has as one id, and the verifier
+    is given that restricted distribution on the target's ids. With an incomplete character pending, the text
+    bridge proposes instead."""
+
+    kind = "intersection"
+    keeps_rows = True
+
+    def __init__(self, bridge: TextBridge, draft_to_target: torch.Tensor, target_vocab: int, device: torch.device):
+        self.bridge = bridge
+        self.draft_to_target = draft_to_target  # (Vd,) target id with the same bytes, -1 where none
+        self.mapped_mask = draft_to_target >= 0  # (Vd,)
+        self.target_vocab, self.device = target_vocab, device
+
+    @property
+    def pending(self) -> bool:
+        return self.bridge.pending
+
+    @property
+    def restrict(self) -> torch.Tensor | None:
+        """(Vd,) the ids the draft may draw this cycle, or None for all."""
+        return None if self.pending else self.mapped_mask
+
+    def to_target(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
+        if self.pending or not rows:
+            return self.bridge.to_target(drafted, rows, eos)
+        proposals = self.draft_to_target[drafted[: len(rows)]].tolist()
+        probs = sampling.map_to_target(torch.stack(rows), self.draft_to_target, self.target_vocab)  # (K, Vt)
+        return proposals, probs.to(self.device)
+
+    def commit(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:
+        self.bridge.commit(draft, drafted, new_ids)
+
+    def slide(self, draft: ModelState, n: int) -> None:
+        self.bridge.slide(draft, n)
+
+
+class Switching:
+    """proposal="auto": the one-hot bridge or the intersection map, chosen after each verified cycle from both
+    kinds' estimated chance of acceptance at its first position (the chooser: policy.ProposalChooser)."""
+
+    def __init__(self, onehot: TextBridge, intersection: IntersectionMap, chooser, first_pieces: torch.Tensor,
+                 draft_to_target: torch.Tensor):
+        self.mappers = {"onehot": onehot, "intersection": intersection}
+        self.chooser = chooser
+        self.first_pieces = first_pieces  # (Vd,) on the target's logits device
+        self.draft_to_target = draft_to_target  # (Vd,) on the target's logits device
+
+    @property
+    def current(self):
+        return self.mappers[self.chooser.kind]
+
+    def observe(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: int) -> dict[str, float]:
+        """Both kinds' chance of acceptance at a cycle's first position, from the target's (Vt,) and the draft's
+        (Vd,) distributions there (one transfer) -> the chooser's scores; the next cycle's kind is `current`."""
+        q = draft_probs.to(target_probs.device)
+        onehot, intersection = torch.stack([
+            sampling.onehot_acceptance(target_probs, q, self.first_pieces[: q.shape[-1]]),
+            sampling.intersection_acceptance(target_probs, q, self.draft_to_target[: q.shape[-1]]),
+        ]).tolist()
+        self.chooser.update(onehot, intersection, accepted)
+        return self.chooser.scores()

@@ -1,0 +1,399 @@
+"""The facade: `XTokSpec(large, small).generate(prompt)`, lossless speculative decoding across tokenizers.
+
+It owns the two models, their tokenizers' byte views, the resources that outlive one generation (compiled steps,
+idle static caches, the token map, measured costs) and builds each generation's `loop.Run` from the options:
+its mapper (xtokspec/mapping.py), proposer (xtokspec/propose.py), verifier's sampler and policies
+(xtokspec/policy.py). The loop itself is xtokspec/loop.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import loop, options, sampling
+from .bridge import TextSync, build_token_map
+from .cache import ModelState
+from .codec import TokenCodec
+from .compile import CompiledStep, warmup_plan
+from .kv import choose_backend, context_limit, input_device, sliding_layers, takes_tree_masks
+from .mapping import IntersectionMap, SameVocab, Switching, TextBridge
+from .models import (
+    DraftVocab,
+    choose_draft_vocab,
+    cpu_bf16_note,
+    eos_ids,
+    frozen_head_note,
+    load,
+    trimmed_draft,
+)
+from .policy import DraftingCost, DraftLength, Fallback, ProposalChooser, TreeBudget, VerifyCost
+from .propose import ChainProposer, TreeProposer
+from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError, check_prompt
+from .verify import Sampler
+
+
+class XTokSpec:
+    """Lossless speculative decoding of `large` (the target) with `small` (the draft), any two tokenizers.
+
+    `large` and `small` are each a local folder or hub id (loaded with `large_kwargs` / `small_kwargs`, e.g.
+    dtype, device_map) or an already loaded `(model, tokenizer)` pair. The models may sit on different devices.
+    """
+
+    # The policy that decides before each cycle whether to run the target alone: None for the measured one
+    # (policy.Fallback, SpecConfig.fallback), or a callable config -> an object with run_alone() and
+    # observe(cycle), e.g. to script which cycles draft. Set on the class or on one XTokSpec.
+    fallback_policy = None
+
+    def __init__(self, large, small, *, config: SpecConfig | None = None, large_kwargs=None, small_kwargs=None):
+        self.config = config or SpecConfig()
+        self.target_model, self.target_tokenizer = load(large, "target (large)", **(large_kwargs or {}))
+        self.draft_model, self.draft_tokenizer = load(small, "draft (small)", **(small_kwargs or {}))
+        self.target = TokenCodec(self.target_tokenizer, self.target_model.config.vocab_size, "target tokenizer")
+        self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, "draft tokenizer")
+        notes = [frozen_head_note(self.target_model, "target (large)"), frozen_head_note(self.draft_model, "draft (small)"),
+                 cpu_bf16_note(self.target_model, "the target (large)")]
+        for note in filter(None, notes):
+            warnings.warn(note, UserWarning, stacklevel=2)
+        self.target_eos = eos_ids(self.target_model, self.target_tokenizer)
+        self.draft_eos = eos_ids(self.draft_model, self.draft_tokenizer)
+        self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
+        self._token_map = None
+        self._first_pieces = None
+        self._draft_to_target: dict[torch.device, torch.Tensor] = {}  # the token map as a tensor, per device
+        self._full_draft_model = self.draft_model  # trim_draft_vocab replaces draft_model by a view of this
+        self.draft_vocab: DraftVocab | None = None
+        self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
+        self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
+        self._tree_size_times: dict = {}  # captured tree verification costs per size (policy.TreeBudget)
+        self._alone_times = collections.deque(maxlen=Fallback.ALONE_SAMPLES)  # target-alone cycle seconds
+        self._drafting_costs: dict[tuple, DraftingCost] = {}  # per setting (config, sampling, kind): Fallback
+        self._custom_generate = None
+        self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
+
+    # ---------------------------------------------------------------- public API
+    def describe(self) -> str:
+        """One line naming both models with their class, dtype and device (the CLI prints it)."""
+
+        def one(role, model):
+            name = Path(str(getattr(model, "name_or_path", "") or "?")).name
+            dtype = str(model.dtype).removeprefix("torch.")
+            return f"{role} {name} ({type(model).__name__}, {dtype}, {input_device(model)})"
+
+        trimmed = f" [head: {self.draft_vocab.keep.numel()} of {self.draft_vocab.vocab_size} ids]" if self.draft_vocab else ""
+        return f"{one('target', self.target_model)}; {one('draft', self.draft_model)}{trimmed}"
+
+    def trim_draft_vocab(self, texts, size: int = 32768) -> DraftVocab | None:
+        """Let the draft's output head compute only `size` ids: those most frequent in `texts` (calibration text
+        like what you will generate, e.g. thousands of paragraphs, or the target's own outputs on your prompts),
+        plus EOS and single-byte ids. `texts=None` restores the full head. -> what was kept.
+
+        For drafts whose head is a large share of a step (Gemma-3-270M: 262k ids, 42% of a CPU step), this makes
+        each draft step cheaper (FR-Spec, Zhao et al. 2025). The output stays lossless whatever is kept: the draft
+        only proposes, and the verifier is given the trimmed draft's own distributions. Out-of-domain text costs
+        acceptance wherever the target wants an id the head no longer scores (BENCHMARKS.md, "A trimmed draft
+        head": with man pages and Python source for general Japanese prompts, as much as the cheaper step gains).
+        """
+        # NOTE: both may raise; nothing has changed yet, so bad input keeps the head as it was
+        vocab = None if texts is None else choose_draft_vocab(self.draft, texts, size, self.draft_eos)
+        model = self._full_draft_model if vocab is None else trimmed_draft(self._full_draft_model, vocab.keep)
+        if self.draft_model is not self._full_draft_model:
+            # NOTE: compiled steps are keyed by id(model); the old view is dropped here, and a new one could reuse its id
+            self._steps.pop(id(self.draft_model), None)
+            self._idle_kv.pop(id(self.draft_model), None)
+        self.draft_model, self.draft_vocab = model, vocab
+        return vocab
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
+
+        Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width;
+        SpecConfig's other fields are the XTokSpec's, and passing one here is an error naming so.
+        """
+        stats = GenerationStats()
+        token_ids: list[int] = []
+        for new_ids in self._cycles(prompt, max_new_tokens, stats, **kwargs):
+            token_ids += new_ids
+        text = self._decode(token_ids)
+        return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stats.stop_reason)
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
+        """Yield the continuation's text as soon as it is verified (whole characters only)."""
+        token_ids: list[int] = []
+        shown = ""
+        for new_ids in self._cycles(prompt, max_new_tokens, stats or GenerationStats(), **kwargs):
+            token_ids += new_ids
+            text = self._decode(token_ids)
+            stable = text.rstrip("\ufffd")  # an incomplete trailing character decodes to U+FFFD: wait for it
+            if len(stable) > len(shown) and stable.startswith(shown):
+                yield stable[len(shown) :]
+                shown = stable
+        text = self._decode(token_ids)
+        if text != shown:
+            yield text[len(shown) :] if text.startswith(shown) else text
+
+    def warmup(self, prompt: str, max_new_tokens: int = 128, *, tree_width: int | None = None,
+               progress: bool = True) -> int:
+        """With `SpecConfig(compile=True)`: compile now every shape that generations of this prompt's size can
+        meet, so that none of them stops to compile (a first call of a new shape: seconds on a CPU, tens of
+        seconds per shape for a 13B model on a GPU). Returns the number of shapes; 0 without compile=True.
+
+        Compiled calls are specialised on the cache's size class (buffers of 256, 384, 512, 768, ... positions),
+        which the prompt's length plus `max_new_tokens` decides: warm up with a prompt and a `max_new_tokens`
+        like those you will serve (a generation in another class compiles its own shapes, once). The shapes are
+        `compile.warmup_plan`'s: the draft's forwards in every bucket, and the target's, as a chain's
+        verifications or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's
+        tree levels and the target's moves of an accepted path into place."""
+        config = options.call_config(self.config, tree_width=tree_width)
+        if not config.compile:
+            return 0
+        from tqdm.auto import tqdm
+
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
+        self._check_trees(config)
+        target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
+        plan = warmup_plan(target, draft, config)
+        try:
+            with torch.inference_mode():
+                for state in (target, draft):
+                    state.forward(keep=1)  # the prompt (eager: a cache's first forward always is)
+                for state, call, n in tqdm(plan, desc="compiling", disable=not progress):
+                    prompt_len = len(state.ids)
+                    for _ in range(2):  # CUDA graphs are recorded on a shape's second call
+                        call(state, n)
+                        state.truncate(prompt_len)
+        finally:
+            self._release(target)
+            self._release(draft)
+        return len(plan)
+
+    @property
+    def custom_generate(self):
+        """The decoding loop for transformers' generate on the target model (lossless, like `generate`):
+
+            out = large_model.generate(**inputs, custom_generate=spec.custom_generate, max_new_tokens=64,
+                                       streamer=streamer, do_sample=True, temperature=0.7, seed=0)
+
+        It honours max_new_tokens / max_length, EOS, stop_strings (pass tokenizer=), stopping criteria and a
+        streamer; xtokspec's own options (seed, proposal, num_draft_tokens, adaptive, tree_width) may be passed
+        to generate too. The statistics of the last call are in `spec.last_stats`. See xtokspec/hf.py."""
+        if self._custom_generate is None:
+            from . import hf
+
+            def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+                return hf.hf_generate(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      **kwargs)
+
+            hf.install(self.target_model, custom_generate)
+            self._custom_generate = custom_generate
+        return self._custom_generate
+
+    def draft_prompt_ids(self, target_ids: list[int]) -> list[int]:
+        """The draft's prompt for a prompt given as target ids: their text in the draft's own encoding."""
+        self._check_length(target_ids)
+        if self.same_vocab:
+            return list(target_ids)
+        text = self._decode(target_ids)
+        if not text:
+            raise XTokSpecError("the prompt ids stand for no text (only special tokens): give some text to continue")
+        return self.draft.encode_prompt(text)
+
+    def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None) -> SamplingParams:
+        """Sampling parameters as the target's `generate` would resolve them from its generation_config."""
+        options.check_neutral(self.target_model.generation_config)
+        # NOTE: the warning about ignored values names the user's call: user code -> generate -> _cycles -> here
+        return options.sampling_params(self.target_model.generation_config, do_sample, temperature, top_k, top_p,
+                                       seed, stacklevel=4)
+
+    def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int, stats: GenerationStats,
+               params: SamplingParams, *, proposal=None, num_draft_tokens=None, adaptive=None,
+               tree_width=None) -> Iterator[list[int]]:
+        """The loop over prepared prompt ids (the target's and the draft's): each cycle's committed target ids.
+        `generate`, `stream` and the transformers entry point (xtokspec/hf.py) run on it."""
+        config = options.call_config(self.config, num_draft_tokens, adaptive, tree_width)
+        self._check_trees(config)
+        kind = options.proposal_kind(self.same_vocab, params, proposal or config.proposal, config.tree_width)
+        stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
+        with torch.inference_mode():
+            target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
+            try:
+                yield from loop.cycles(self._run(target, draft, stats, params, config, kind), max_new_tokens)
+            finally:  # also when a stream is closed early
+                self._release(target)
+                self._release(draft)
+
+    # ---------------------------------------------------------------- the vocabularies
+    def _decode(self, token_ids: list[int]) -> str:
+        # NOTE: no clean-up: it deletes spaces before punctuation, and the text must be the tokens' own
+        return self.target_tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @property
+    def token_map(self):
+        """Byte-normalized draft -> target token map (built on first use)."""
+        if self._token_map is None:
+            pairs = [(d, min(self.target_eos)) for d in self.draft_eos] if self.target_eos else []
+            self._token_map = build_token_map(self.draft, self.target, pairs)
+        return self._token_map
+
+    @property
+    def first_pieces(self) -> torch.Tensor:
+        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (built on first use,
+        one batched encode: ~2 s for a 262k vocabulary)."""
+        if self._first_pieces is None:
+            self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
+        return self._first_pieces
+
+    def root_groups(self) -> torch.Tensor:
+        """(Vd,) draft id -> the target id a tree root's candidate drawn as that draft id stands for: the same id
+        for one tokenizer, else the first target token of its text (`first_pieces`), the target's EOS for the
+        draft's; -1 where none (SpecConfig.tree_root="sampled")."""
+        target_vocab = self.target_model.config.vocab_size
+        size = self.draft_model.config.vocab_size
+        if self.same_vocab:
+            groups = torch.arange(size)
+            return torch.where(groups < target_vocab, groups, -1)
+        groups = self.first_pieces.clone()
+        if self.target_eos:
+            groups[[d for d in self.draft_eos if d < size]] = min(self.target_eos)
+        return groups
+
+    def draft_to_target(self, device: torch.device) -> torch.Tensor:
+        """(Vd,) the token map (draft id -> target id with the same bytes, -1 where none) on `device`, built once
+        per device (~50 ms from the list for a 262k vocabulary, which every sampled call needs)."""
+        device = torch.device(device)
+        if device not in self._draft_to_target:
+            self._draft_to_target[device] = torch.tensor(self.token_map.draft_to_target, device=device)
+        return self._draft_to_target[device]
+
+    # ---------------------------------------------------------------- one generation
+    def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
+                top_p=None, seed=None, **kwargs) -> Iterator[list[int]]:
+        unknown = sorted(set(kwargs) - set(options.keyword_only(self.cycles)))
+        if unknown:  # NOTE: the keywords named are the ones these two signatures take, so they cannot drift apart
+            known = options.keyword_only(self._cycles) + options.keyword_only(self.cycles)
+            raise XTokSpecError(options.unknown_options_message(unknown, known))
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
+        params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
+        yield from self.cycles(target_ids, draft_ids, max_new_tokens, stats, params, **kwargs)
+
+    def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
+        check_prompt(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        target_ids = self.target.encode_prompt(prompt)
+        self._check_length(target_ids)
+        draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(prompt)
+        return target_ids, draft_ids
+
+    def _check_length(self, target_ids: list[int]) -> None:
+        limit = context_limit(self.target_model)
+        if limit and len(target_ids) >= limit:
+            raise XTokSpecError(
+                f"prompt is {len(target_ids)} target tokens, but the target's context is {limit} positions"
+            )
+
+    def _check_trees(self, config: SpecConfig) -> None:
+        """Token trees need a target that can verify a trie in one forward."""
+        if config.tree_width > 1 and sliding_layers(self.target_model):
+            raise XTokSpecError(
+                f"token trees (tree_width={config.tree_width}) need full-attention layers in the target; "
+                f"{type(self.target_model).__name__} has {sliding_layers(self.target_model)} layers: use tree_width=1"
+            )
+        if config.tree_width > 1 and not takes_tree_masks(self.target_model):
+            raise XTokSpecError(
+                f"token trees (tree_width={config.tree_width}) verify with a tree attention mask, which the target's "
+                f"attention implementation {self.target_model.config._attn_implementation!r} does not apply: load it "
+                f"with attn_implementation='sdpa' (or 'eager'), or use tree_width=1"
+            )
+
+    def _run(self, target: ModelState, draft: ModelState, stats: GenerationStats, params: SamplingParams,
+             config: SpecConfig, kind: str) -> loop.Run:
+        """One generation's loop state: its mapper, proposer, sampler and policies."""
+        stats.cache = f"{target.backend}/{draft.backend}" + ("+compile" if config.compile else "")
+        warpers = sampling.build_warpers(params) if params.do_sample else None
+        sampler = draft_gen = None
+        if params.do_sample:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            sampler = Sampler(warpers, torch.Generator(device=input_device(self.target_model)).manual_seed(seed))
+            draft_gen = torch.Generator(device=input_device(self.draft_model)).manual_seed(seed + 1)
+        setting = (config, dataclasses.replace(params, seed=None), kind)
+        drafting = self._drafting_costs.setdefault(setting, DraftingCost(alone_run=Fallback.PROBE_DRAFT_FIRST))
+        verify_cost = VerifyCost()
+        fallback = (self.fallback_policy(config) if self.fallback_policy is not None
+                    else Fallback(config, self._alone_times, drafting))
+        policies = (DraftLength(config, verify_cost), TreeBudget(config, verify_cost, self._tree_size_times), fallback)
+        target_vocab = self.target_model.config.vocab_size
+        draft_device = input_device(self.draft_model)
+        if config.tree_width > 1:
+            groups = params.do_sample and config.tree_root == "sampled"
+            proposer = TreeProposer(config.tree_width, self.draft_eos, self.draft.token_bytes, policies[1], target,
+                                    target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen,
+                                    self.root_groups().to(draft_device) if groups else None, target_vocab)
+        else:
+            proposer = ChainProposer(self.draft_eos, warpers, draft_gen, config.draft_confidence)
+        draft_limit = min(context_limit(self.draft_model) or 1 << 30, draft.capacity, config.draft_context or 1 << 30)
+        return loop.Run(target, draft, self._mapper(kind, config, draft.ids), proposer, sampler, policies, stats,
+                        self.target_eos, min(context_limit(self.target_model) or 1 << 30, target.capacity),
+                        draft_limit, config.max_draft_tokens + 1)
+
+    def _mapper(self, kind: str, config: SpecConfig, draft_prompt: list[int]):
+        """The mapper for a proposal kind (options.proposal_kind)."""
+        logits_device = self.target_model.get_output_embeddings().weight.device
+        target_vocab = self.target_model.config.vocab_size
+        bos = self.draft_tokenizer.bos_token_id
+        head = int(bos is not None and draft_prompt[:1] == [bos])  # a window of the text keeps the BOS
+        if kind == "same-tokenizer":
+            return SameVocab(target_vocab, logits_device, head)
+        sync = TextSync(self.target, self.draft, config.draft_lookbehind)
+        bridge = TextBridge(sync, self.target_eos, len(draft_prompt), "greedy-bridge" if kind == "greedy-bridge" else "onehot",
+                            head)
+        if kind in ("greedy-bridge", "onehot"):
+            return bridge
+        draft_device = input_device(self.draft_model)
+        intersection = IntersectionMap(bridge, self.draft_to_target(draft_device), target_vocab, logits_device)
+        if kind == "intersection":
+            return intersection
+        # "auto": one-hot or intersection, chosen each cycle; the chooser scores on the target's logits device
+        start = "intersection" if self.token_map.mapped_draft_share >= config.min_mapped_mass else "onehot"
+        return Switching(bridge, intersection, ProposalChooser(start), self.first_pieces.to(logits_device),
+                         self.draft_to_target(logits_device))
+
+    # ---------------------------------------------------------------- caches
+    def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int, tree_nodes: int = 0) -> ModelState:
+        """ids + KV cache with the configured backend (and the compiled step, compiled once per XTokSpec)."""
+        backend = choose_backend(model, config.cache, config.compile)
+        step, reuse = None, None
+        if config.compile:
+            step = self._steps.get(id(model))
+            if step is None:
+                role = "target" if model is self.target_model else "draft"
+                step = self._steps[id(model)] = CompiledStep(model, role)
+        if backend == "static":
+            # NOTE: taken, not shared: a generation still running (another open stream) keeps its own cache
+            reuse = self._idle_kv.pop(id(model), None)
+        return ModelState(model, ids, backend, capacity, step, tree_nodes, reuse)
+
+    def _states(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int,
+                config: SpecConfig) -> tuple[ModelState, ModelState]:
+        """Both models' ids and caches for a generation of `max_new_tokens`, sized as the loop needs them: the
+        draft's text in its own tokens is unknown in advance, so at most 3 per target token is budgeted."""
+        trees = config.tree_width > 1
+        target = self._model_state(self.target_model, target_ids, config, len(target_ids) + max_new_tokens,
+                                   config.max_tree_nodes if trees else 0)
+        # the draft's beam: at most tree_width nodes per level, one level per draft step (grow_tree)
+        draft = self._model_state(self.draft_model, draft_ids, config,
+                                  len(draft_ids) + 3 * max_new_tokens + 2 * config.max_draft_tokens + 16,
+                                  config.tree_width * config.max_draft_tokens if trees else 0)
+        return target, draft
+
+    def _release(self, state: ModelState) -> None:
+        """A finished generation's static cache, kept for the next one (the larger, if two finish)."""
+        if state.backend == "static":
+            idle = self._idle_kv.get(id(state.model))
+            if idle is None or idle.capacity < state.kv.capacity:
+                self._idle_kv[id(state.model)] = state.kv

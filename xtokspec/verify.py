@@ -1,0 +1,76 @@
+"""The target's verdict on a proposal: one forward over the uncached ids and the proposals (a chain's K ids, or a
+trie's nodes, tree-masked), then the accepted proposals and the next token (recovered or bonus).
+
+Greedy: a proposal is accepted while it is the target's argmax (`sampling.verify_greedy`, `tree.verify_tree_greedy`).
+Sampling: the recursive rejection of Leviathan et al. 2023 / Chen et al. 2023 (`sampling.count_accepted`,
+`sampling.next_token_distribution`; a trie: `tree.verify_tree_sampled`), on the target's own generator: the
+uniforms first, then the exponential noise of the next token's race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import sampling, tree
+from .cache import ModelState
+from .kv import to_device
+from .propose import Proposal
+
+
+@dataclass
+class Sampler:
+    """The target's logits processing (transformers' warpers) and random stream."""
+
+    warpers: object
+    generator: torch.Generator
+
+
+@dataclass
+class Verdict:
+    accepted: int  # proposals accepted in a row (a tree: the nodes on the accepted path)
+    next_token: int  # the recovered (after a rejection) or bonus (after all accepted) token
+    rejected: bool  # the walk stopped at a rejection
+    path: list[int] | None = None  # a tree's accepted nodes
+    target_probs: torch.Tensor | None = None  # (K+1, Vt) a sampled chain's warped target distributions
+
+
+def verify(target: ModelState, proposal: Proposal, sampler: Sampler | None) -> Verdict:
+    """Feed the proposal to `target` (its nodes stay in the cache until the commit) -> the verdict."""
+    if proposal.trie is not None:
+        return verify_tree(target, proposal.trie, sampler, proposal.root_q)
+    return verify_chain(target, proposal.target_ids, proposal.proposal_probs, sampler)
+
+
+def verify_chain(target: ModelState, proposals: list[int], proposal_probs: torch.Tensor | None,
+                 sampler: Sampler | None) -> Verdict:
+    """A chain of K proposals (none: the target's own next token) -> the verdict."""
+    target.extend(proposals)
+    logits = target.forward(keep=len(proposals) + 1)  # (K+1, Vt)
+    if sampler is None:
+        accepted, next_token = sampling.verify_greedy(logits, proposals)
+        return Verdict(accepted, next_token, accepted < len(proposals))
+    proposal_ids = to_device(proposals, logits.device)  # (K,)
+    target_probs = sampling.logits_to_probs(logits, sampler.warpers)  # (K+1, Vt)
+    gen = sampler.generator
+    uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)
+    accepted = sampling.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
+    dist = sampling.next_token_distribution(target_probs, proposal_ids, accepted, proposal_probs)
+    noise = sampling.exponential_noise(dist.shape, gen, gen.device).to(dist.device)
+    next_token = int(sampling.race(dist, noise))
+    return Verdict(accepted, next_token, accepted < len(proposals), target_probs=target_probs)
+
+
+def verify_tree(target: ModelState, trie: tree.Trie, sampler: Sampler | None, root_q: torch.Tensor | None) -> Verdict:
+    """A trie of proposals in one tree-masked forward -> the verdict (its path: the accepted nodes)."""
+    logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
+    if sampler is None:
+        path, next_token = tree.verify_tree_greedy(logits, trie)
+    else:
+        probs = sampling.logits_to_probs(logits, sampler.warpers)  # (N+1, Vt)
+        gen = sampler.generator
+        uniforms = torch.rand((trie.size + 1, max(1, trie.max_children())), generator=gen, device=gen.device)
+        noise = sampling.exponential_noise(probs.shape[-1:], gen, gen.device)
+        path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise, root_q=root_q)
+    return Verdict(len(path), next_token, bool(trie.children[path[-1] if path else 0]), path=path)
