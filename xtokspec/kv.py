@@ -154,7 +154,8 @@ class DynamicKV:
         return self.cache.get_seq_length()
 
     def advance(self, n: int) -> None:
-        self._trim()  # the cache's own length grew in the forward
+        if self.sliding:  # the cache's own length grew in the forward
+            self._trim()
 
     def mask_length(self, n_new: int) -> int:
         return self.length + n_new  # keys after the update: the cache and the new ones
@@ -165,6 +166,9 @@ class DynamicKV:
     def rollback(self, n: int) -> None:
         extra = self.length - n
         if extra <= 0:
+            return
+        if not self.sliding:
+            self.cache.crop(-extra)
             return
         for layer in self.sliding:  # NOTE: checked first, so that a refused rollback changes nothing
             if layer.is_initialized and layer.keys.shape[-2] - extra < min(n, layer.sliding_window - 1):

@@ -37,21 +37,15 @@ class Run:
     mapper: object  # mapping.SameVocab, TextBridge, IntersectionMap or Switching
     proposer: ChainProposer | TreeProposer
     sampler: Sampler | None  # None: greedy
-    policies: tuple  # DraftLength, TreeBudget, Fallback: each observes every cycle
+    draft_length: object  # policy.DraftLength
+    fallback: object  # policy.Fallback, or a policy passed in (XTokSpec.fallback_policy)
+    observers: tuple  # the stats and every policy: each observes every cycle's record
     stats: GenerationStats
     target_eos: set[int]
     target_limit: int  # the target's ids stop here (its context, or its cache)
     draft_limit: int  # the draft's context: past it, its window of the text moves on (mapper.slide)
     draft_room: int  # ids a cycle may draft
     unsynced: list[int] = field(default_factory=list)  # target-alone cycles' ids the draft has not seen yet
-
-    @property
-    def draft_length(self):
-        return self.policies[0]
-
-    @property
-    def fallback(self):
-        return self.policies[2]
 
 
 def cycles(run: Run, max_new_tokens: int) -> Iterator[list[int]]:
@@ -61,7 +55,7 @@ def cycles(run: Run, max_new_tokens: int) -> Iterator[list[int]]:
     while produced < max_new_tokens:
         remaining = max_new_tokens - produced
         new_ids, record = alone_cycle(run, remaining) if run.fallback.run_alone() else drafted_cycle(run, remaining)
-        for observer in (run.stats, *run.policies):
+        for observer in run.observers:
             observer.observe(record)
         produced += len(new_ids)
         run.stats.wall_seconds = time.perf_counter() - start

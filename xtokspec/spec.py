@@ -326,20 +326,22 @@ class XTokSpec:
         verify_cost = VerifyCost()
         fallback = (self.fallback_policy(config) if self.fallback_policy is not None
                     else Fallback(config, self._alone_times, drafting))
-        policies = (DraftLength(config, verify_cost), TreeBudget(config, verify_cost, self._tree_size_times), fallback)
+        draft_length, budget = DraftLength(config, verify_cost), TreeBudget(config, verify_cost, self._tree_size_times)
         target_vocab = self.target_model.config.vocab_size
         draft_device = input_device(self.draft_model)
         if config.tree_width > 1:
             groups = params.do_sample and config.tree_root == "sampled"
-            proposer = TreeProposer(config.tree_width, self.draft_eos, self.draft.token_bytes, policies[1], target,
+            proposer = TreeProposer(config.tree_width, self.draft_eos, self.draft.token_bytes, budget, target,
                                     target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen,
                                     self.root_groups().to(draft_device) if groups else None, target_vocab)
         else:
             proposer = ChainProposer(self.draft_eos, warpers, draft_gen, config.draft_confidence)
         draft_limit = min(context_limit(self.draft_model) or 1 << 30, draft.capacity, config.draft_context or 1 << 30)
-        return loop.Run(target, draft, self._mapper(kind, config, draft.ids), proposer, sampler, policies, stats,
-                        self.target_eos, min(context_limit(self.target_model) or 1 << 30, target.capacity),
-                        draft_limit, config.max_draft_tokens + 1)
+        target_limit = min(context_limit(self.target_model) or 1 << 30, target.capacity)
+        return loop.Run(target, draft, self._mapper(kind, config, draft.ids), proposer, sampler, draft_length, fallback,
+                        (stats, draft_length, budget, fallback) if config.tree_width > 1 else (stats, draft_length, fallback),
+                        stats, self.target_eos, target_limit, draft_limit,
+                        config.max_draft_tokens + 1)
 
     def _mapper(self, kind: str, config: SpecConfig, draft_prompt: list[int]):
         """The mapper for a proposal kind (options.proposal_kind)."""

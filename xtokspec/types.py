@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
@@ -140,9 +139,11 @@ def expected_tokens(alpha: float, proposals: float) -> float:
 class Laps:
     """A cycle's stage clock: `laps("draft")` adds the seconds since the last lap (or the start) to that stage."""
 
+    __slots__ = ("start", "last", "seconds")
+
     def __init__(self):
         self.start = self.last = time.perf_counter()
-        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.seconds = {"draft": 0.0, "bridge": 0.0, "verify": 0.0}
 
     def __call__(self, stage: str) -> None:
         now = time.perf_counter()
@@ -157,7 +158,7 @@ class Laps:
 ALONE = "alone"  # the kind of a cycle that ran the target alone (SpecConfig.fallback)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CycleRecord:
     """What one cycle did and what it cost: all that the statistics and the policies learn from it."""
 

@@ -1,0 +1,179 @@
+"""Long prompts: speed against the target alone, time to first text, and the caches' memory, by prompt length.
+
+For each prompt length (target tokens cut from fixtures/data/heldout.txt, the held-out Japanese text) and each
+number of new tokens, in one process and paired per prompt:
+- the target alone: transformers' greedy `generate`, timed whole; its time to first token is one forward over the
+  prompt (its prefill) and the argmax;
+- each xtokspec system, `XTokSpec(target, draft)` with the default settings (greedy; the fallback on, so the first
+  cycle runs the target alone and the draft prefills its prompt in the second): `stream`, timed to its first
+  text and to the end, its token ids checked against the target's own;
+- the memory of both caches at the end of the generation: the bytes of every key and value tensor they hold.
+`--draft-contexts` repeats each system with `SpecConfig(draft_context=n)` (the draft's window of the text, which
+also caps what it prefills of a long prompt). Results: results.json and results.md under --out.
+
+    python benchmarks/long_context.py --lengths 256 1024 4096 --new-tokens 32 256 --out benchmarks/long-context/real-xeon
+    python benchmarks/long_context.py --target gemma-3-270m --drafts bridged-qwen=qwen2.5-coder-0.5b --lengths 1024 4096
+
+Model names are those of benchmarks/real_models.py (converted under xtokspec.bench.real_models_root()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def load(name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xtokspec.bench import real_model_dir
+
+    path = real_model_dir(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def prompt_of_length(tokenizer, text: str, length: int) -> str:
+    """The first `length` target tokens of `text` as text (cut where the tokens decode to whole characters)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < length:
+        raise SystemExit(f"the held-out text has only {len(ids)} tokens; asked for {length}")
+    cut = tokenizer.decode(ids[:length])
+    return cut.rstrip("\ufffd")
+
+
+def cache_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for pair in state.kv.layer_tensors() for t in pair)
+
+
+def target_alone(model, tokenizer, prompt: str, new_tokens: int) -> dict:
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        start = time.perf_counter()
+        first = int(model(**inputs).logits[0, -1].argmax())
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens)
+        seconds = time.perf_counter() - start
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ids[0] == first
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return {"ids": ids, "text": text, "ttft_s": ttft, "seconds": seconds, "tokens_per_s": len(ids) / seconds}
+
+
+def system(spec, prompt: str, new_tokens: int) -> dict:
+    from xtokspec import GenerationStats
+
+    sizes = {}
+    release = spec._release
+
+    def measured_release(state):  # the caches' bytes just before they are handed back
+        sizes["target" if state.model is spec.target_model else "draft"] = cache_bytes(state)
+        release(state)
+
+    spec._release = measured_release
+    stats = GenerationStats()
+    try:
+        start = time.perf_counter()
+        first = None
+        text = ""
+        for piece in spec.stream(prompt, max_new_tokens=new_tokens, stats=stats):
+            if first is None:
+                first = time.perf_counter() - start
+            text += piece
+        seconds = time.perf_counter() - start
+    finally:
+        spec._release = release
+    return {"text": text, "ttft_s": first, "seconds": seconds, "tokens_per_s": stats.new_tokens / seconds,
+            "new_tokens": stats.new_tokens, "tokens_per_call": stats.tokens_per_cycle,
+            "token_acceptance": stats.token_acceptance, "alone_cycles": stats.alone_cycles,
+            "target_calls": stats.target_forwards, "stop_reason": stats.stop_reason,
+            "target_cache_mb": sizes.get("target", 0) / 2**20, "draft_cache_mb": sizes.get("draft", 0) / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="the target model's name")
+    parser.add_argument("--drafts", nargs="+", default=["bridged-gemma=gemma-3-270m", "same-qwen=qwen2.5-coder-0.5b"],
+                        help="drafts as LABEL=NAME")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096], help="prompt lengths (target tokens)")
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[32, 256], help="new tokens per generation")
+    parser.add_argument("--draft-contexts", type=int, nargs="*", default=[],
+                        help="also run each system with SpecConfig(draft_context=n) for each n")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "long-context", help="where results go")
+    args = parser.parse_args()
+
+    from xtokspec import SpecConfig, XTokSpec
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target = load(args.target, dtype)
+    drafts = {label: load(name, dtype) for label, name in (d.split("=", 1) for d in args.drafts)}
+    configs = [(None, SpecConfig())] + [(n, SpecConfig(draft_context=n)) for n in args.draft_contexts]
+    specs = {(label, n): XTokSpec(target, draft, config=config) for label, draft in drafts.items() for n, config in configs}
+    text = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8")
+    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads, {args.dtype}; target {args.target}")
+    for spec in specs.values():  # warm-up: token maps and first calls
+        spec.generate("東京", max_new_tokens=4)
+    rows = []
+    for length in args.lengths:
+        prompt = prompt_of_length(target[1], text, length)
+        for new_tokens in args.new_tokens:
+            alone = target_alone(*target, prompt, new_tokens)
+            row = {"length": length, "new_tokens": new_tokens,
+                   "alone": {k: v for k, v in alone.items() if k not in ("ids", "text")}}
+            print(f"L={length} N={new_tokens}: target alone {alone['tokens_per_s']:.2f} tok/s, first token {alone['ttft_s']:.2f} s")
+            for (label, window), spec in specs.items():
+                result = system(spec, prompt, new_tokens)
+                result["equal"] = result["text"] == alone["text"]  # greedy: the target's own text
+                result["speedup"] = alone["seconds"] / result["seconds"] * result["new_tokens"] / len(alone["ids"])
+                result["ttft_ratio"] = result["ttft_s"] / alone["ttft_s"] if result["ttft_s"] else None
+                name = label + (f" window {window}" if window else "")
+                row[name] = {k: v for k, v in result.items() if k != "text"}
+                print(f"  {name}: {result['tokens_per_s']:.2f} tok/s = {result['speedup']:.2f}x, first text "
+                      f"{result['ttft_s']:.2f} s ({result['ttft_ratio']:.2f}x the target's), {result['tokens_per_call']:.2f} "
+                      f"tokens/call, caches {result['target_cache_mb']:.0f} + {result['draft_cache_mb']:.0f} MiB, "
+                      f"equal {result['equal']}")
+            rows.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype, "target": args.target,
+            "drafts": args.drafts, "torch": torch.__version__}
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, ensure_ascii=False))
+    lines = [f"# Long prompts: {args.target}, {args.dtype}, {cpu_name()}, {args.threads} threads", "",
+             "| prompt | new | system | tok/s | vs target alone | first text s | vs target's first token | tokens/call | "
+             "target cache MiB | draft cache MiB | equal |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        alone = row["alone"]
+        lines.append(f"| {row['length']} | {row['new_tokens']} | target alone | {alone['tokens_per_s']:.2f} | 1.00 | "
+                     f"{alone['ttft_s']:.2f} | 1.00 | 1.00 | | | |")
+        for name, r in row.items():
+            if isinstance(r, dict) and name != "alone":
+                lines.append(f"| {row['length']} | {row['new_tokens']} | {name} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f} | "
+                             f"{r['ttft_s']:.2f} | {r['ttft_ratio']:.2f} | {r['tokens_per_call']:.2f} | "
+                             f"{r['target_cache_mb']:.0f} | {r['draft_cache_mb']:.0f} | {r['equal']} |")
+    speedups = [r["speedup"] for row in rows for name, r in row.items() if isinstance(r, dict) and name != "alone"]
+    lines += ["", f"median speed-up over all rows: {statistics.median(speedups):.2f}"]
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}/results.md")
+
+
+if __name__ == "__main__":
+    main()
