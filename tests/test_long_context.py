@@ -75,3 +75,28 @@ def test_draft_context_is_checked():
         SpecConfig(draft_context=8)
     with pytest.raises(XTokSpecError, match="draft_context"):
         SpecConfig(draft_context=True)
+
+
+@pytest.mark.fallback
+def test_the_first_text_comes_before_the_draft_prefills(ja_target, ja_draft_bpe, long_prompts, monkeypatch):
+    """With the default settings the first cycle runs the target alone: `stream` yields the target's first token
+    before the draft has run a single forward (its prefill comes with the next cycle). With the fallback off the
+    first cycle drafts, as before."""
+    events = []
+    forward = ja_draft_bpe[0].forward
+
+    def recording(*args, **kwargs):
+        events.append("draft forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(ja_draft_bpe[0], "forward", recording)
+    spec = XTokSpec(ja_target, ja_draft_bpe)
+    stream = spec.stream(long_prompts[0], max_new_tokens=16)
+    events.append(next(stream))
+    assert events[0] != "draft forward", events  # the first text came first
+    rest = list(stream)
+    assert "draft forward" in events[1:] or not rest
+    events.clear()
+    off = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(fallback=False))
+    events.append(next(off.stream(long_prompts[0], max_new_tokens=16)))
+    assert events[0] == "draft forward"
