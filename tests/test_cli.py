@@ -62,10 +62,26 @@ def test_bad_input_exits_2_with_a_message(capsys):
     assert "xtokspec: error: prompt is empty" in capsys.readouterr().err
 
 
-def test_fetch_says_where_it_moved(capsys):
-    """The library downloads nothing; the real preset's fetch script lives in benchmarks/."""
-    assert main(["fetch"]) == 2
-    assert "python benchmarks/real_models.py" in capsys.readouterr().err
+def test_version_and_no_stub_command(capsys):
+    """`xtokspec --version` prints the package's version (pyproject's); the top-level help lists only the commands
+    that do something (no `fetch`: the real preset's fetch script is benchmarks/real_models.py)."""
+    import pathlib
+    import re
+
+    import xtokspec
+
+    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    assert f'\nversion = "{xtokspec.__version__}"\n' in pyproject, re.findall(r"\nversion = .*", pyproject)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"xtokspec {xtokspec.__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "generate" in out and "bench" in out and "fetch" not in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["fetch"])
+    assert exit_.value.code == 2 and "invalid choice: 'fetch'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- a new user's first ten minutes (issue 12)
@@ -123,6 +139,11 @@ def no_models(monkeypatch):
         (["東京", "--compile", "--cache", "dynamic"], "compile=True needs the static cache"),  # SpecConfig's check
         (["東京", "--cpu-linears", "onednn"], "--cpu-linears onednn needs --dtype float32 and no --compile"),
         (["東京", "--cpu-linears", "onednn", "--dtype", "float32", "--compile"], "needs --dtype float32 and no --compile"),
+        # a mistyped model, the draft's too, is named before the target loads
+        (["東京", "--draft", "models/ja-dratf-bpe"], "draft (small): no model folder 'models/ja-dratf-bpe'; did you "
+         "mean the bundled 'ja-draft-bpe'?"),
+        (["東京", "--target", "fixtures/models/ja-targt"], "target (large): no such model folder: "
+         "'fixtures/models/ja-targt' (did you mean 'fixtures/models/ja-target'?)"),
     ],
 )
 def test_bad_input_is_named_before_any_model_loads(no_models, capsys, args, message):
@@ -203,6 +224,73 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     assert "(default: None)" not in out and "(default: False)" not in out
 
 
+def test_bench_help_describes_every_option(capsys):
+    """`xtokspec bench --help`: a description, help on every option with its default, the --modes syntax."""
+    from xtokspec.cli import build_parser
+
+    parser = build_parser()
+    bench = parser._subparsers._group_actions[0].choices["bench"]
+    missing = [a.dest for a in bench._actions if not a.help]
+    assert not missing, f"options without help text: {missing}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Benchmark xtokspec against the target alone" in out
+    assert "(default: fixtures)" in out and "(default: 128)" in out and "(default: float32)" in out
+    assert "greedy, or T=<temperature>" in out and "--modes greedy T=0.7 T=1.0" in out
+    assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
+    assert parser.parse_args(["bench", "--modes", "greedy", "T=0.7"]).modes == ["greedy", "T=0.7"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--modes", "T0.7"])
+    assert "'T0.7': a mode is greedy or T=<temperature>" in capsys.readouterr().err
+
+
+def test_seed_help_states_when_a_sample_repeats(capsys):
+    from xtokspec.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "same seed, same output" not in out
+    assert "The same seed gives the same output when the drafted cycles are the same, as with --fixed-k" in out
+
+
+@pytest.mark.fallback  # NOTE: the real fallback policy, which adaptive=False turns off
+def test_same_seed_same_sample_with_fixed_k(ja_target, ja_draft_bpe):
+    """With SpecConfig(adaptive=False) (fixed K, no fallback) the drafted cycles do not depend on timings or on
+    earlier generations, so the same seed gives the same sample, here with another prompt in between."""
+    from xtokspec import SpecConfig, XTokSpec
+
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(adaptive=False))
+    prompt, other = "ファイルシステムをマウントするには", "設定ファイルの書式は"
+    first = spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=1.0, seed=11)
+    spec.generate(other, max_new_tokens=24, do_sample=True, temperature=1.0, seed=5)
+    again = spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=1.0, seed=11)
+    assert again.token_ids == first.token_ids and first.stats.alone_cycles == 0
+    fresh = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(adaptive=False))
+    assert fresh.generate(prompt, max_new_tokens=24, do_sample=True, temperature=1.0, seed=11).token_ids == first.token_ids
+
+
+def test_api_and_cli_load_without_progress_bars(capfd):
+    """Both load quietly: no transformers "Loading weights" bars unless XTokSpec(..., progress=True)."""
+    from transformers.utils import logging as hf_logging
+
+    from xtokspec import XTokSpec
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # transformers' default, whatever ran before in this process
+    try:
+        XTokSpec("ja-target", "ja-draft-bpe")
+        assert "Loading weights" not in capfd.readouterr().err
+        XTokSpec("ja-target", "ja-draft-bpe", progress=True)
+        assert capfd.readouterr().err.count("Loading weights") >= 2  # the control: one bar per model
+        XTokSpec("ja-target", "ja-draft-bpe")  # the hook is gone again
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        if not enabled:
+            hf_logging.disable_progress_bar()
+
+
 def test_fetch_script_help_names_itself(capsys):
     from model_helpers import load_script
 
@@ -222,3 +310,4 @@ def test_cli_and_api_give_the_same_text(capsys):
     api = XTokSpec("ja-target", "ja-draft-bpe")
     assert out == api.generate(prompt, max_new_tokens=24).text + "\n"
     assert "bfloat16" in err and "stopped:" in err
+    assert "Loading weights" not in err + capsys.readouterr().err  # neither shows loading bars

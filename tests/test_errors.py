@@ -28,7 +28,9 @@ from xtokspec import XTokSpec, XTokSpecError
         # a SpecConfig field that generate() does not take per call: where it goes, not a TypeError
         ("東京", {"fallback": False}, r"'fallback' is set once per XTokSpec: XTokSpec\(\.\.\., config=SpecConfig"),
         ("東京", {"temprature": 0.7}, "'temprature' is not an option \\(did you mean 'temperature'\\?\\)"),
-        ("東京", {"max_length": 8}, "'max_length' is not an option. They take: do_sample, "),
+        ("東京", {"max_length": 8}, "'max_length' is not an option. They take: max_new_tokens, do_sample, "),
+        # generate's own parameters come first: max_new_tokens, not SpecConfig's max_draft_tokens
+        ("東京", {"max_tokens": 8}, "'max_tokens' is not an option \\(did you mean 'max_new_tokens'\\?\\)"),
     ],
 )
 def test_bad_arguments_are_named(tiny_spec, prompt, kwargs, match):
@@ -39,6 +41,21 @@ def test_bad_arguments_are_named(tiny_spec, prompt, kwargs, match):
 def test_prompt_longer_than_the_target_context(tiny_spec):
     with pytest.raises(XTokSpecError, match=r"prompt is \d+ target tokens, but the target's context is 256"):
         tiny_spec.generate("東京" * 400, max_new_tokens=4)
+
+
+def test_prompt_longer_than_the_tokenizers_maximum_gives_only_xtokspecs_error(tiny_spec, monkeypatch, caplog):
+    """transformers warns when a tokenizer's ids outnumber its model_max_length (512 here); xtokspec encodes
+    prompts without that warning and names the problem itself. The user's own tokenizer calls still warn."""
+    key = "sequence-length-is-longer-than-the-specified-maximum"
+    for tokenizer in (tiny_spec.target_tokenizer, tiny_spec.draft_tokenizer):
+        monkeypatch.delitem(tokenizer.deprecation_warnings, key, raising=False)  # as if never warned
+    prompt = "東京" * 1000  # ~4,000 target tokens
+    caplog.clear()
+    with pytest.raises(XTokSpecError, match=r"prompt is \d+ target tokens, but the target's context is 256"):
+        tiny_spec.generate(prompt, max_new_tokens=4)
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]
+    tiny_spec.target_tokenizer(prompt)  # the control: the same text through the tokenizer itself
+    assert [r for r in caplog.records if "Token indices sequence length is longer" in r.getMessage()]
 
 
 def test_generation_close_to_the_context_limit_stops_cleanly(tiny_spec):
@@ -153,6 +170,9 @@ def test_context_limit_has_its_own_stop_reason(tiny_spec):
         ("path/to/large", r"no such model folder: 'path/to/large'"),
         ("tests/no-such-model", r"no such model folder"),  # first part is a folder here: local, not a hub id
         ("ja-targt", r"did you mean the bundled 'ja-target'"),
+        ("models/ja-targt", r"no model folder 'models/ja-targt'; did you mean the bundled 'ja-target'"),
+        ("fixtures/models/ja-targt", r"no such model folder: 'fixtures/models/ja-targt' \(did you mean "
+         r"'fixtures/models/ja-target'\?\)"),
         ("tests", r"'tests' has no config.json: not a transformers model folder"),
     ],
 )
@@ -165,6 +185,21 @@ def test_local_looking_paths_fail_fast_without_a_hub_lookup(name, match, monkeyp
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
     with pytest.raises(XTokSpecError, match=match):
         XTokSpec(name, "ja-draft-bpe")
+
+
+@pytest.mark.parametrize("draft", ["models/ja-draft-bep", "./no/such/draft", "fixtures/models/ja-draft"])
+def test_a_mistyped_draft_is_named_before_the_target_loads(draft, monkeypatch):
+    """Both model arguments are checked before either model loads: no tokenizer or model of the target is read,
+    and no hub lookup is made, before the draft's error."""
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded (or looked up on the hub) before the draft was checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(XTokSpecError, match=r"^draft \(small\): no "):
+        XTokSpec("ja-target", draft)
 
 
 def test_bundled_names_resolve_to_the_fixtures():

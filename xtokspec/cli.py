@@ -6,8 +6,9 @@ import argparse
 import logging
 import sys
 
+from . import __version__
 from .bench import add_bench_parser, calibration_lines, read_text
-from .models import CPU_LINEARS, FIXTURE_NAMES
+from .models import CPU_LINEARS, FIXTURE_NAMES, check_source
 from .types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -16,10 +17,10 @@ _STOPPED = {"eos": "the target emitted EOS", "length": "--max-new-tokens reached
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default, except an empty one (None, False): their help says what happens instead."""
+    """Shows an option's default, except an empty one (None, False, []): their help says what happens instead."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
@@ -102,6 +103,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile):
         raise XTokSpecError("--cpu-linears onednn needs --dtype float32 and no --compile (oneDNN's packed float32 "
                             "linears on the CPU)")
+    check_source(args.target, "target (large)")  # NOTE: both named before either loads (XTokSpec checks again)
+    check_source(args.draft, "draft (small)")
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
         adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, tree_root=args.tree_root,
@@ -110,13 +113,10 @@ def _generate(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
 
-    from transformers.utils import logging as hf_logging
-
     from .spec import XTokSpec
     from .types import GenerationStats
 
-    hf_logging.disable_progress_bar()  # NOTE: no weight-loading bars on every run
-    _show_library_log()
+    _show_library_log()  # NOTE: no "Loading weights" bars: XTokSpec loads without them unless progress=True
     spec = XTokSpec(
         args.target, args.draft, config=config,
         large_kwargs=_load_kwargs(args.dtype, args.target_device),
@@ -150,6 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtokspec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -175,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the target's generation_config, else 50)")
     gen.add_argument("--top-p", type=float, default=None,
                      help="nucleus sampling mass in (0, 1]; 1 disables (default: the target's generation_config, else 1.0)")
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed for sampling. The same seed gives the same output when the drafted cycles are the "
+                     "same, as with --fixed-k (fixed K, no fallback); with adaptive K and the fallback, measured "
+                     "timings choose K and the target-alone cycles, so the text can differ, while its "
+                     "distribution is always the target's")
     gen.add_argument("--proposal", choices=("auto", "onehot", "intersection"), default="auto",
                      help="how a cross-tokenizer draft proposes when sampling (see README)")
     gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
@@ -212,17 +217,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     add_bench_parser(sub)
-    moved = "moved: from an xtokspec checkout, run python benchmarks/real_models.py (the library downloads nothing)"
-    fetch = sub.add_parser("fetch", help=moved, description=moved)
-    fetch.set_defaults(func=_fetch_moved)
+    _document_bench(sub.choices["bench"])
     return parser
 
 
-def _fetch_moved(args: argparse.Namespace) -> int:
-    raise XTokSpecError(
-        "'xtokspec fetch' moved out of the library: from an xtokspec checkout, run "
-        "python benchmarks/real_models.py [names]  (it fetches and converts the real preset's models)"
+_BENCH_HELP = {  # the help of the bench options that bench.add_bench_parser leaves without one
+    "preset": "the models: fixtures (the bundled ja-target with ja-draft-same and ja-draft-bpe) or real "
+    "(Qwen2.5-Coder-1.5B with Qwen2.5-Coder-0.5B, Gemma-3-270M and SmolLM2-135M drafts, fetched and converted "
+    "beforehand by benchmarks/real_models.py from an xtokspec checkout)",
+    "modes": "decoding modes, each run on every prompt: greedy, or T=<temperature> to sample at that temperature "
+    "(top-k and top-p from the target's generation_config); e.g. --modes greedy T=0.7 T=1.0",
+    "prompts": "how many prompts: the first N of the preset's (fixtures/data/prompts.txt, or the real preset's 6)",
+    "max_new_tokens": "most tokens each system adds to each prompt (target tokens)",
+    "dtype": "weights' dtype for every model",
+    "out": "folder of the report: OUT/PRESET/results.json, table.md and the speedup plots",
+    "no_progress": "no progress bar",
+}
+
+
+def _bench_mode(text: str) -> str:
+    """A --modes value: 'greedy' or 'T=<temperature>' with a temperature > 0."""
+    try:
+        if text == "greedy" or (text.startswith("T=") and float(text.removeprefix("T=")) > 0):
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: a mode is greedy or T=<temperature> with a temperature > 0 (e.g. T=0.7)")
+
+
+def _document_bench(bench: argparse.ArgumentParser) -> None:
+    """`xtokspec bench --help`: a description, help on every option, the defaults shown."""
+    bench.formatter_class = _HelpFormatter
+    bench.description = (
+        "Benchmark xtokspec against the target alone and transformers' assisted generation on a preset's models: "
+        "every system on every prompt and mode, interleaved prompt by prompt after a warm-up, the target's and "
+        "the draft's forward calls counted. Writes OUT/PRESET/results.json, table.md and plots, and prints the table."
     )
+    for action in bench._actions:
+        if not action.help and action.dest in _BENCH_HELP:
+            action.help = _BENCH_HELP[action.dest]
+        if action.dest == "modes":
+            action.type, action.metavar = _bench_mode, "MODE"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import difflib
 import itertools
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ def resolve(spec: str | os.PathLike, role: str) -> str | Path:
     Order: an existing path wins; then a bundled name (ja-target, ja-draft-same, ja-draft-bpe); then a hub id.
     Anything that looks like a local path (starts with / . ~, has a backslash or more than one /, or starts
     with a folder that exists here) and does not exist is an error at once, instead of a hub lookup that retries for a minute on a machine without access.
+    So is a name whose last part is a bundled name mistyped (a letter or two: "ja-targt", "models/ja-targt").
     """
     text = os.fspath(spec)
     path = Path(text).expanduser()
@@ -62,33 +65,108 @@ def resolve(spec: str | os.PathLike, role: str) -> str | Path:
         return fixture_model(text)
     first = text.split("/", 1)[0]
     if not _HUB_ID.match(text) or ("/" in text and Path(first).is_dir()):  # NOTE: "fixtures/modl" is local
-        raise XTokSpecError(f"{role}: no such model folder: {text!r}")
-    close = difflib.get_close_matches(text, FIXTURE_NAMES, n=1, cutoff=0.8)
-    if close:
+        raise XTokSpecError(f"{role}: no such model folder: {text!r}{_near_folder(path)}")
+    # NOTE: the last part too: "models/ja-targt" is a mistyped folder, not a hub repository to retry for a minute
+    name = text.rsplit("/", 1)[-1]
+    close = difflib.get_close_matches(name, FIXTURE_NAMES, n=1, cutoff=0.8)
+    if close and abs(len(name) - len(close[0])) <= 2:  # NOTE: "owner/ja-target-v2" stays a hub id
         raise XTokSpecError(f"{role}: no model folder {text!r}; did you mean the bundled {close[0]!r}?")
     return text
 
 
-def load(spec, role: str, **load_kwargs):
-    """(model, tokenizer) from a folder, a bundled fixture name, a hub id, or a loaded (model, tokenizer) pair.
+def _near_folder(path: Path) -> str:
+    """' (did you mean 'a/b'?)' naming a folder beside a missing `path` whose name is close to its name, or ''."""
+    try:
+        siblings = [child.name for child in path.parent.iterdir() if child.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
+    return f" (did you mean {str(path.parent / close[0])!r}?)" if close else ""
 
-    `load_kwargs` (dtype, device_map, quantization_config, ...) pass through to `from_pretrained`.
-    """
+
+def check_source(spec, role: str):
+    """A model argument checked without loading anything: a (model, tokenizer) pair as it is, a path or name
+    resolved (`resolve`: a missing local-looking folder is an error at once). XTokSpec checks both models'
+    arguments so before loading either: a mistyped draft is named before the target's seconds of loading."""
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
             raise XTokSpecError(f"{role}: expected a path, a hub id or a (model, tokenizer) pair, got {len(spec)} items")
         model, tokenizer = spec
         if not hasattr(model, "forward") or not callable(tokenizer):
             raise XTokSpecError(f"{role}: the pair must be (model, tokenizer), got ({type(model).__name__}, {type(tokenizer).__name__})")
-        return model.eval(), tokenizer
+        return spec
     if not isinstance(spec, (str, os.PathLike)):
         raise XTokSpecError(f"{role}: expected a path, a hub id or a (model, tokenizer) pair, got {type(spec).__name__}")
+    return resolve(spec, role)
+
+
+@contextlib.contextmanager
+def _loading_bars(shown: bool):
+    """transformers' own progress bars ("Loading weights") shown or hidden while models load; the hub's download
+    bars are not transformers' and show either way. Hidden through transformers' tqdm hook, for this block only."""
+    from transformers.utils import logging as hf_logging
+
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    if shown or set_hook is None:
+        yield
+        return
+
+    def hidden(factory, args, kwargs):
+        kwargs = {**kwargs, "disable": True}
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = set_hook(hidden)
+    try:
+        yield
+    finally:
+        set_hook(previous)
+
+
+class _NoLengthWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer than")
+
+
+_LENGTH_FLAG = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+@contextlib.contextmanager
+def no_length_warning(*tokenizers):
+    """Around xtokspec's own encoding of a prompt: no transformers warning that the ids outnumber a tokenizer's
+    `model_max_length` (xtokspec checks the prompt against the target's context itself, with its own error, and
+    keeps the draft within its context). The tokenizers warn as before for their users' own calls."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    flags = [(t.deprecation_warnings, _LENGTH_FLAG in t.deprecation_warnings, t.deprecation_warnings.get(_LENGTH_FLAG))
+             for t in tokenizers if isinstance(getattr(t, "deprecation_warnings", None), dict)]
+    quiet = _NoLengthWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+        for table, had, value in flags:  # NOTE: a warning dropped here must not silence the user's next one
+            if had:
+                table[_LENGTH_FLAG] = value
+            else:
+                table.pop(_LENGTH_FLAG, None)
+
+
+def load(spec, role: str, progress: bool = False, **load_kwargs):
+    """(model, tokenizer) from a folder, a bundled fixture name, a hub id, or a loaded (model, tokenizer) pair.
+
+    `load_kwargs` (dtype, device_map, quantization_config, ...) pass through to `from_pretrained`. `progress`:
+    show transformers' "Loading weights" bar (the hub's download bars show either way).
+    """
+    spec = check_source(spec, role)
+    if isinstance(spec, (tuple, list)):
+        model, tokenizer = spec
+        return model.eval(), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = resolve(spec, role)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, **load_kwargs)
+        with _loading_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(spec, **load_kwargs)
     except (OSError, ValueError) as err:  # NOTE: transformers raises ValueError for unreadable tokenizer files
         raise XTokSpecError(f"{role}: could not load {str(spec)!r} ({err.__class__.__name__}: {err})") from err
     return model.eval(), tokenizer
@@ -134,13 +212,10 @@ def cpu_bf16_note(model, role: str) -> str | None:
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or cpu_has_bf16_matmul():
         return None
-    return (f"{role} runs in bfloat16 on a CPU without AVX512-BF16 or AMX: here torch's bfloat16 matrix products "
-            "cost each token of a forward about a one-token step, so verifying drafts cannot be faster than the "
-            "target alone (drafting every cycle measured 0.3-0.65x on an AVX2-only CPU; float32 0.5-0.6x, its "
-            "products only flattening past ~5 tokens; float32 with oneDNN linears, models.onednn_linears, "
-            "0.73-0.97x). xtokspec falls back to the target alone where it measures "
-            "this (SpecConfig.fallback; 0.87-0.96x there), but speed-ups need a CPU with bfloat16 units or a GPU "
-            "(BENCHMARKS.md, 'Falling back to the target alone')")
+    # NOTE: one short sentence, printed on every run there; the figures are in the README, "Limits and notes"
+    name = Path(str(getattr(model, "name_or_path", "") or "")).name
+    return (f"{role}{f' {name!r}' if name else ''} runs in bfloat16 on a CPU without AVX512-BF16 or AMX, so "
+            "drafting cannot beat the target alone: use a GPU or a CPU with them (README, 'Limits and notes')")
 
 
 # The values of the `--cpu-linears` options (xtokspec generate, xtokspec bench, benchmarks/tree_cost.py)
@@ -277,7 +352,8 @@ def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
             "tokens): give a larger size"
         )
     counts = collections.Counter()
-    for ids in codec.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+    # NOTE: verbose=False: a long calibration passage is not a sequence for the model (no length warning)
+    for ids in codec.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         counts.update(ids)
     ranked = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if i < vocab]
     chosen = dict(base)

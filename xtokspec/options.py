@@ -115,15 +115,23 @@ def keyword_only(function) -> tuple[str, ...]:
                  if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def keyword_params(function, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The names `function` takes by keyword (positional-or-keyword, then keyword-only), in order, less `skip`."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, parameter in inspect.signature(function).parameters.items()
+                 if parameter.kind in kinds and name not in skip)
+
+
 def unknown_options_message(names: list[str], known: tuple[str, ...]) -> str:
     """An error naming keywords that generate() / stream() do not take (`known`: those they do), with where
-    each belongs if anywhere."""
+    each belongs if anywhere. A suggestion is one of `known` if any is close (max_tokens: max_new_tokens), else
+    a SpecConfig field."""
     config_fields = tuple(field.name for field in dataclasses.fields(SpecConfig))
     parts = []
     for name in names:
         if name in config_fields:
             parts.append(f"{name!r} is set once per XTokSpec: XTokSpec(..., config=SpecConfig({name}=...))")
         else:
-            close = difflib.get_close_matches(name, known + config_fields, n=1)
+            close = difflib.get_close_matches(name, known, n=1) or difflib.get_close_matches(name, config_fields, n=1)
             parts.append(f"{name!r} is not an option" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return f"unknown keyword for generate/stream: {'; '.join(parts)}. They take: {', '.join(known)}"

@@ -25,11 +25,13 @@ from .kv import choose_backend, context_limit, input_device, sliding_layers, tak
 from .mapping import IntersectionMap, SameVocab, Switching, TextBridge
 from .models import (
     DraftVocab,
+    check_source,
     choose_draft_vocab,
     cpu_bf16_note,
     eos_ids,
     frozen_head_note,
     load,
+    no_length_warning,
     trimmed_draft,
 )
 from .policy import DraftingCost, DraftLength, Fallback, ProposalChooser, TreeBudget, VerifyCost
@@ -43,6 +45,8 @@ class XTokSpec:
 
     `large` and `small` are each a local folder or hub id (loaded with `large_kwargs` / `small_kwargs`, e.g.
     dtype, device_map) or an already loaded `(model, tokenizer)` pair. The models may sit on different devices.
+    Both arguments are checked before either model loads. `progress=True` shows transformers' "Loading weights"
+    bars (hidden by default, as in the CLI; the hub's download bars show either way).
     """
 
     # The policy that decides before each cycle whether to run the target alone: None for the measured one
@@ -50,10 +54,13 @@ class XTokSpec:
     # observe(cycle), e.g. to script which cycles draft. Set on the class or on one XTokSpec.
     fallback_policy = None
 
-    def __init__(self, large, small, *, config: SpecConfig | None = None, large_kwargs=None, small_kwargs=None):
+    def __init__(self, large, small, *, config: SpecConfig | None = None, large_kwargs=None, small_kwargs=None,
+                 progress: bool = False):
         self.config = config or SpecConfig()
-        self.target_model, self.target_tokenizer = load(large, "target (large)", **(large_kwargs or {}))
-        self.draft_model, self.draft_tokenizer = load(small, "draft (small)", **(small_kwargs or {}))
+        # NOTE: both checked first: a mistyped draft is named before the target's seconds of loading
+        large, small = check_source(large, "target (large)"), check_source(small, "draft (small)")
+        self.target_model, self.target_tokenizer = load(large, "target (large)", progress, **(large_kwargs or {}))
+        self.draft_model, self.draft_tokenizer = load(small, "draft (small)", progress, **(small_kwargs or {}))
         self.target = TokenCodec(self.target_tokenizer, self.target_model.config.vocab_size, "target tokenizer")
         self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, "draft tokenizer")
         notes = [frozen_head_note(self.target_model, "target (large)"), frozen_head_note(self.draft_model, "draft (small)"),
@@ -114,6 +121,12 @@ class XTokSpec:
 
         Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width;
         SpecConfig's other fields are the XTokSpec's, and passing one here is an error naming so.
+
+        `seed`: whatever the seed, a sample is distributed as the target's own. The same seed gives the same
+        sample when the drafted cycles are the same, which holds with `SpecConfig(adaptive=False)` (or
+        adaptive=False here): a fixed K and no fallback. With adaptive K and the fallback to the target alone
+        (the default), K and which cycles run the target alone follow measured timings and this XTokSpec's
+        earlier generations, so the same seed can give another sample (from the same distribution).
         """
         stats = GenerationStats()
         token_ids: list[int] = []
@@ -201,7 +214,8 @@ class XTokSpec:
         text = self._decode(target_ids)
         if not text:
             raise XTokSpecError("the prompt ids stand for no text (only special tokens): give some text to continue")
-        return self.draft.encode_prompt(text)
+        with no_length_warning(self.draft_tokenizer):
+            return self.draft.encode_prompt(text)
 
     def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None) -> SamplingParams:
         """Sampling parameters as the target's `generate` would resolve them from its generation_config."""
@@ -274,8 +288,9 @@ class XTokSpec:
     def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, **kwargs) -> Iterator[list[int]]:
         unknown = sorted(set(kwargs) - set(options.keyword_only(self.cycles)))
-        if unknown:  # NOTE: the keywords named are the ones these two signatures take, so they cannot drift apart
-            known = options.keyword_only(self._cycles) + options.keyword_only(self.cycles)
+        if unknown:  # NOTE: the keywords named are the ones these signatures take, so they cannot drift apart
+            known = (options.keyword_params(self.generate, skip=("prompt",)) + options.keyword_only(self._cycles)
+                     + options.keyword_only(self.cycles))
             raise XTokSpecError(options.unknown_options_message(unknown, known))
         target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
@@ -285,9 +300,10 @@ class XTokSpec:
         check_prompt(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        target_ids = self.target.encode_prompt(prompt)
-        self._check_length(target_ids)
-        draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(prompt)
+        with no_length_warning(self.target_tokenizer, self.draft_tokenizer):  # NOTE: _check_length names it
+            target_ids = self.target.encode_prompt(prompt)
+            self._check_length(target_ids)
+            draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(prompt)
         return target_ids, draft_ids
 
     def _check_length(self, target_ids: list[int]) -> None:
