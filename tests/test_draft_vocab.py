@@ -190,7 +190,7 @@ def test_a_bf16_target_on_a_cpu_without_bf16_units_is_warned_about(ja_draft_bpe,
                       r"AVX512-BF16 or AMX, so drafting cannot beat the target alone: use a GPU") as caught:
         XTokSpec((model, tokenizer), draft)
     (note,) = [str(w.message) for w in caught if "bfloat16" in str(w.message)]
-    assert len(note) < 200 and "\n" not in note and "README, 'Limits and notes'" in note, note
+    assert len(note) < 200 and "\n" not in note and "docs/how-it-works.md" in note, note
     monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -182,13 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "timings choose K and the target-alone cycles, so the text can differ, while its "
                      "distribution is always the target's")
     gen.add_argument("--proposal", choices=("auto", "onehot", "intersection"), default="auto",
-                     help="how a cross-tokenizer draft proposes when sampling (see README)")
+                     help="how a cross-tokenizer draft proposes when sampling (see docs/how-it-works.md)")
     gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                      help="draft tokens per cycle at the start (adaptive K changes it from measured costs)")
     gen.add_argument("--fixed-k", action="store_true", help="always draft --num-draft-tokens (no adaptive K)")
     gen.add_argument("--always-draft", action="store_true",
                      help="draft every cycle, even where the target alone is measured faster per token (by default "
-                     "such cycles run the target alone, and drafting is probed now and then; see README)")
+                     "such cycles run the target alone, and drafting is probed now and then; see docs/how-it-works.md)")
     gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
                      help="token trees: drafted candidates kept at each depth, verified in one target call "
                      "(1: a single chain)")
@@ -205,12 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "Python API load it (bfloat16 for the bundled models)")
     gen.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                      help="onednn: both models' linears packed for oneDNN (float32 on the CPU): shorter verification "
-                     "forwards on CPUs without bfloat16 units; the output is the converted target's (README)")
+                     "forwards on CPUs without bfloat16 units; the output is the converted target's (docs/how-it-works.md)")
     gen.add_argument("--target-device", default=None, help="e.g. cuda:0, or auto (accelerate device_map)")
     gen.add_argument("--draft-device", default=None, help="e.g. cpu or cuda:0")
     gen.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                      help="trim the draft's output head to N ids, the most frequent in --calibration (a cheaper "
-                     "draft step for large-vocabulary drafts; the output is unchanged; see README)")
+                     "draft step for large-vocabulary drafts; the output is unchanged; see docs/how-it-works.md)")
     gen.add_argument("--calibration", default=None, metavar="FILE",
                      help="UTF-8 text in the domain you will generate, one document per line (for --draft-vocab)")
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")

@@ -212,10 +212,10 @@ def cpu_bf16_note(model, role: str) -> str | None:
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or cpu_has_bf16_matmul():
         return None
-    # NOTE: one short sentence, printed on every run there; the figures are in the README, "Limits and notes"
+    # NOTE: one short sentence, printed on every run there; the figures are in docs/how-it-works.md
     name = Path(str(getattr(model, "name_or_path", "") or "")).name
     return (f"{role}{f' {name!r}' if name else ''} runs in bfloat16 on a CPU without AVX512-BF16 or AMX, so "
-            "drafting cannot beat the target alone: use a GPU or a CPU with them (README, 'Limits and notes')")
+            "drafting cannot beat the target alone: use a GPU or a CPU with them (docs/how-it-works.md)")
 
 
 # The values of the `--cpu-linears` options (xtokspec generate, xtokspec bench, benchmarks/tree_cost.py)
