@@ -3,15 +3,13 @@ alone and drafting is probed now and then.
 
 What must hold: the choice follows the measured seconds per token (policy units, with made-up timings); greedy
 output stays the target's own whatever the pattern of drafted and target-alone cycles; after target-alone
-cycles the draft's context is caught up to the committed text before it drafts again; and with real timings the
-fallback engages where the draft is made slow and stays off where drafting pays (the models' forwards are
-slowed with sleeps large enough that the machine's load cannot flip the choice). The sampled law with
+cycles the draft's context is caught up to the committed text before it drafts again; and in the whole loop the
+fallback engages where the draft is slow and stays off where drafting pays, on a simulated clock that only the
+models' forwards advance (no test here depends on how fast the machine is). The sampled law with
 target-alone cycles is checked in test_stats.py (D3).
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -202,25 +200,47 @@ def test_stream_matches_generate_with_target_alone_cycles(bridged_spec, heldout_
     assert result.stats.alone_cycles > 0
 
 
-# ---------------------------------------------------------------- real timings, slowed on purpose
-def slowed(monkeypatch, model, seconds: float) -> None:
-    forward = model.forward
+# ---------------------------------------------------------------- a simulated clock
+class SimulatedClock:
+    """The loop's clock (`time.perf_counter` in xtokspec.loop and xtokspec.types), advanced only by the models'
+    forwards, by the seconds each is given: the policy sees the same timings on any machine, under any load."""
 
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
+    def __init__(self):
+        self.now = 0.0
 
-    monkeypatch.setattr(model, "forward", slow)
+    def perf_counter(self) -> float:
+        return self.now
+
+    def costs(self, monkeypatch, model, seconds: float) -> None:
+        forward = model.forward
+
+        def timed(*args, **kwargs):
+            self.now += seconds
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", timed)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import xtokspec.loop
+    import xtokspec.types
+
+    clock = SimulatedClock()
+    monkeypatch.setattr(xtokspec.loop, "time", clock)
+    monkeypatch.setattr(xtokspec.types, "time", clock)
+    return clock
 
 
 @pytest.mark.slow
 def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft_bpe, heldout_prompts,
-                                                             monkeypatch):
-    """A draft step made to cost 40 ms (a target step is ~7 ms here): every drafted cycle costs more per token
-    than a target step, so most cycles run the target alone, and the output is still the target's. A second
-    generation with the same settings starts with the target alone."""
+                                                             monkeypatch, clock):
+    """A draft step that costs 40 ms against a target step's 7 ms (simulated): every drafted cycle costs more per
+    token than a target step, so most cycles run the target alone, and the output is still the target's. A
+    second generation with the same settings starts with the target alone."""
     spec = XTokSpec(ja_target, ja_draft_bpe)
-    slowed(monkeypatch, ja_draft_bpe[0], 0.040)
+    clock.costs(monkeypatch, ja_draft_bpe[0], 0.040)
+    clock.costs(monkeypatch, ja_target[0], 0.007)
     prompt = heldout_prompts[1]
     stats = spec.generate(prompt, max_new_tokens=NEW_TOKENS).stats
     assert stats.alone_cycles >= stats.target_forwards / 2, stats.summary()
@@ -234,12 +254,14 @@ def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft
 
 
 @pytest.mark.slow
-def test_fallback_stays_off_where_drafting_pays(ja_target, ja_draft_same, heldout_prompts, monkeypatch):
-    """A target step made to cost 60 ms whatever it verifies, the draft left fast: a drafted cycle commits more
-    than one token for little more than a step, so the target alone runs only for the prompt's cycle, as the
-    measuring probe and at most one shortest run (the first drafted cycles of this prompt accept little)."""
+def test_fallback_stays_off_where_drafting_pays(ja_target, ja_draft_same, heldout_prompts, monkeypatch, clock):
+    """A target step that costs 60 ms whatever it verifies, a draft step 1 ms (simulated): a drafted cycle
+    commits more than one token for little more than a step, so the target alone runs only for the prompt's
+    cycle, as the measuring probe and at most one shortest run (the first drafted cycles of this prompt accept
+    little)."""
     spec = XTokSpec(ja_target, ja_draft_same)
-    slowed(monkeypatch, ja_target[0], 0.060)
+    clock.costs(monkeypatch, ja_target[0], 0.060)
+    clock.costs(monkeypatch, ja_draft_same[0], 0.001)
     result = spec.generate(heldout_prompts[11], max_new_tokens=NEW_TOKENS)
     assert result.stats.tokens_per_cycle > 1.2  # drafting pays on this prompt (checked before the claim below)
     assert result.stats.alone_cycles <= 2 + Fallback.PROBE_DRAFT_FIRST, result.stats.summary()  # + the prompt's
