@@ -1,4 +1,4 @@
-"""GPU per-call costs at the mission pair's shapes, and the speedups they predict (issue 9).
+"""GPU per-call costs at the shapes of a 13B and a 7B target with their drafts, and the speedups they predict.
 
 No real weights reach the GPU machine, and a forward's time does not depend on the weights' values, so the
 models are built there with random bf16 weights and the published shapes:
@@ -107,8 +107,8 @@ def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
     """m -> seconds of a forward over m new ids after a CONTEXT-token context (rolled back after each call)."""
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (CONTEXT + 32,)).tolist()
-    # NOTE: static, the buffer holds buffer_capacity(576) = 768 positions (576 until the tenth session's
-    # figures: the ninth's and the 7B/1B ones), the size a 512-token prompt with 64 new tokens gets in use
+    # NOTE: static, the buffer holds buffer_capacity(576) = 768 positions, the size a 512-token prompt with 64 new
+    # tokens gets in use (the stored 13B and 7B/1B eager static figures had a buffer of exactly 576)
     state = ModelState(model, ids[:CONTEXT], backend, CONTEXT + 64, CompiledStep(model) if compiled else None)
     state.forward(keep=1)  # the context
     costs = {}
@@ -124,9 +124,8 @@ def per_call_costs(model, device: str, reps: int, compiled: bool, backend: str,
 @torch.inference_mode()
 def tree_costs(model, device: str, reps: int, rows: tuple[int, ...] = TREE_ROWS) -> dict[int, float]:
     """rows -> seconds of a compiled tree-masked verification (`forward_tree`, as a tree cycle runs it) of the
-    last id and rows - 1 trie nodes, 4 children per node, after a CONTEXT-token context; dropped after each call.
-    The twelfth session's loop found a 32-row tree cycle ~5 ms dearer than a chain's; this says how much of it
-    is the target's verification."""
+    last id and rows - 1 trie nodes, 4 children per node, after a CONTEXT-token context; dropped after each call:
+    how much of a captured tree cycle's extra cost over a chain's is the target's verification."""
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (CONTEXT + rows[-1],)).tolist()
     state = ModelState(model, ids[:CONTEXT], "static", CONTEXT + 64, CompiledStep(model, "target"),
@@ -165,7 +164,7 @@ def measure_pair(name: str, target_config, draft_config, device: str, reps: int)
         model = build(config, device, dtype)
         out[f"{role}_params"] = sum(p.numel() for p in model.parameters())
         # compiling costs ~30 s per bucket at the 13B shape: the draft needs its one-token step and a width-4 tree
-        # level (4 rows; since the eleventh session), the target the buckets of typical verifications
+        # level (4 rows), the target the buckets of typical verifications
         lengths = COMPILED_LENGTHS if role == "target" else (1, 4)
         out[f"{role}_eager"] = per_call_costs(model, device, reps, compiled=False, backend="dynamic")
         out[f"{role}_static"] = per_call_costs(model, device, reps, compiled=False, backend="static")
@@ -219,12 +218,12 @@ def predict(pair: dict, results: Path, overhead_s: float, costs: str = "compiled
     Token-tree runs (proposal "... tree", width from the system's "treeN"): tokens per cycle as measured (eq. 1
     is for chains); each draft forward at the cost of a draft call over `width` ids (a tree level: the level's
     nodes on the draft's own cache, `ModelState.grow_tree`), and each verification at the target's cost for
-    its nodes plus one id. Since the eleventh session both run through the compiled steps with compile=True,
-    padded to the buckets, so "compiled" costs them at their buckets' compiled costs: the target's tree-masked
-    verification as measured (`target_tree_compiled`, 8, 16 and 32 rows, since the twelfth session). ASSUMED
-    where not measured: a tree-masked call costs what a causal call of the same length does (the same shapes,
-    an explicit mask instead of one built inside), and, where a length was not measured compiled (the draft's 4
-    rows before the eleventh session), it costs what the longest shorter measured one does."""
+    its nodes plus one id. Both run through the compiled steps with compile=True, padded to the buckets, so
+    "compiled" costs them at their buckets' compiled costs: the target's tree-masked verification as measured
+    (`target_tree_compiled`, 8, 16 and 32 rows) where the costs file has it. ASSUMED where not measured: a
+    tree-masked call costs what a causal call of the same length does (the same shapes, an explicit mask instead
+    of one built inside), and, where a length was not measured compiled (the draft's 4 rows in older costs
+    files), it costs what the longest shorter measured one does."""
     if not results.is_file():
         return []
     runs = json.loads(results.read_text())["runs"]

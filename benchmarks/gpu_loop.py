@@ -1,4 +1,4 @@
-"""The loop's own overhead per cycle at the mission pair's shapes on a GPU, measured inside the loop (issue 9).
+"""The loop's own overhead per cycle at the 13B pair's shapes on a GPU, measured inside the loop.
 
 gpu.py measures each model call alone. This runs `XTokSpec.generate` end to end with random-weight bf16 models of
 the 13B pair's shapes (llm-jp-13b: GPT-2 style, 40 layers, hidden 5120; open-calm-small: GPT-NeoX, 12 layers,
@@ -114,7 +114,8 @@ def no_eos(model, tok) -> None:
 
 
 def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
-    # compile=True: every shape now (the twelfth session's measured prompts had met one first, a 44-s stall)
+    # compile=True: every shape now, so that no timed prompt meets a new one (a first compile at the 13B shapes
+    # stalls a generation for tens of seconds)
     spec.warmup(max(PROMPTS, key=len), max_new_tokens=tokens, progress=False)
     spec.generate(PROMPTS[0], max_new_tokens=tokens)  # warm-up (allocates)
     rows = []

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The GPU session's device calls (BENCHMARKS.md, section GPU), each under the device's 10-minute limit.
+# The GPU figures' device calls (BENCHMARKS.md, section GPU), one part per call, each under 10 minutes.
 #   bash benchmarks/gpu_run.sh 1   # the GPU tests; per-call costs at the 13B shapes
 #   bash benchmarks/gpu_run.sh 2   # the fixture preset on the GPU, the tree cost per node, the loop's overhead
 #   bash benchmarks/gpu_run.sh 3   # where the loop syncs; the loop's overhead with CUDA graphs
 #   bash benchmarks/gpu_run.sh 4   # per-call costs at the 7B/1B shapes
-#   bash benchmarks/gpu_run.sh 5   # what the first GPU session left: the sync and tree tests, the syncs, 7B/1B
+#   bash benchmarks/gpu_run.sh 5   # the sync and tree tests, where the loop syncs, the 7B/1B shapes
 #   bash benchmarks/gpu_run.sh 6 same|bridged   # the loop's overhead with CUDA graphs, one draft per call
 #   bash benchmarks/gpu_run.sh 7 ["-k expression"]   # chi-square cases on CUDA (about two per call)
 #   bash benchmarks/gpu_run.sh 8 test|bridged|same   # captured trees: the CUDA test, or the 13B-shape loop per draft
 #   bash benchmarks/gpu_run.sh 9   # per-call costs at the 13B shapes with the tree-masked 8/16/32-row verifications
-#   bash benchmarks/gpu_run.sh 10  # correctness in one call: the CUDA tests and the chi-square cases not yet run there
+#   bash benchmarks/gpu_run.sh 10  # correctness in one call: the CUDA tests and seven chi-square cases, in parallel
 #   bash benchmarks/gpu_run.sh 11  # three dynamic-cache chi-square cases, then the warmed-up captured bridged tree loop
-#   bash benchmarks/gpu_run.sh 12  # the CUDA tests and the control that missed on CUDA, with its second look
-#   bash benchmarks/gpu_run.sh 13  # issue 10's T=0.7 figures on the fixture preset, measured on the GPU
+#   bash benchmarks/gpu_run.sh 12  # the CUDA tests, test_cache.py and the dynamic same-tokenizer chi-square case
+#   bash benchmarks/gpu_run.sh 13 [24]  # trees against chains at T=0.7 on the fixture preset (prompts: 12, or 24)
 #   bash benchmarks/gpu_run.sh 14  # the same tree and chain with CUDA graphs (compile=True), drafting every cycle
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
@@ -52,7 +52,7 @@ case "${1:-1}" in
 4)  # the 7B/1B shapes
   step 300 gpu7 python3 benchmarks/gpu.py --pairs 7b-1b --out "$OUT/gpu7"
   ;;
-5)  # the second GPU session's first call: what the first left unchecked
+5)  # the sync and tree tests, where the loop syncs, the 7B/1B shapes
   step 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "host_transfers or tree4"
   step 60 syncs python3 benchmarks/gpu_syncs.py
   step 250 gpu7 python3 benchmarks/gpu.py --pairs 7b-1b --out "$OUT/gpu7"
@@ -60,8 +60,8 @@ case "${1:-1}" in
 6)  # the loop's overhead with CUDA graphs at the 13B shapes, for one draft (compiling takes minutes)
   step 540 "loopc-${2:-same}" python3 benchmarks/gpu_loop.py --compile --drafts "${2:-same}" --out "$OUT/loopc-${2:-same}"
   ;;
-7)  # chi-square on CUDA, the cases chosen by a pytest -k expression (each took 110-222 s on an H100; the
-    # tenth session ran "tree_sampling and static", "static-intersection" and "longer_runs")
+7)  # chi-square on CUDA, the cases chosen by a pytest -k expression (each takes 110-222 s on an H100, so
+    # about two fit a call; e.g. "tree_sampling and static", "static-intersection", "longer_runs")
   XTOKSPEC_TEST_DEVICE=cuda step 540 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
     --durations=0 tests/test_stats.py -k "${2:-tree_sampling and dynamic or switching_proposal_kinds}"
   ;;
@@ -75,32 +75,32 @@ case "${1:-1}" in
       --out "$OUT/loopt-${2:-bridged}"
   fi
   ;;
-9)  # the twelfth session found a 32-row captured tree cycle ~5 ms dearer than a chain's: what the target's
-    # tree-masked verification costs per bucket (three more target graphs to compile, ~30 s each at this shape)
-  step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/real-trees-s11/results.json \
+9)  # what the target's tree-masked verification costs per bucket (8, 16, 32 rows: three more target graphs to
+    # compile, ~30 s each at this shape), and the tree predictions from the real pair's CPU traces
+  step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/real-trees-t07/results.json \
     --out "$OUT/gpu13"
   ;;
 10)  # correctness only (no timings), one pytest process per case in parallel (16 host cores; the fixture models are
-     # launch-bound on a GPU, so the cases barely share it): every test of test_gpu.py, and the seven end-to-end
-     # chi-square cases that no GPU session had run (the sixteenth's code: sampled roots, target-alone cycles, ...)
+     # launch-bound on a GPU, so the cases barely share it): every test of test_gpu.py, and seven end-to-end
+     # chi-square cases (dynamic cache, sampled roots, the trimmed head, target-alone cycles)
   XTOKSPEC_TEST_DEVICE=cuda step 570 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 10 \
     --durations=0 tests/test_gpu.py tests/test_stats.py -k "test_gpu or (end_to_end_sampling_matches_target and \
     dynamic) or sampled_root_tree or trimmed_draft_head or target_alone_cycles"
   ;;
-11)  # the seventeenth session's last call: the three dynamic-cache chi-square cases that part 10 ran on the static
-     # cache (CUDA's default; the test's own check caught it), then the captured width-4 bridged tree loop after warmup
+11)  # the three dynamic-cache chi-square cases (they ask for the dynamic cache by name: CUDA's default is the
+     # static one), then the captured width-4 bridged tree loop after warmup
   XTOKSPEC_TEST_DEVICE=cuda step 150 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 3 \
     --durations=0 tests/test_stats.py -k "end_to_end_sampling_matches_target and dynamic"
   step 400 loopt-bridged python3 benchmarks/gpu_loop.py --compile --tree-width 4 --drafts bridged --out "$OUT/loopt-bridged"
   ;;
-12)  # the nineteenth session: every CUDA test (with the carried transformers, since 5.24 the forward's `cache`
-     # keyword) and the dynamic same-tokenizer chi-square case, whose q^2 control missed on CUDA in the seventeenth
-     # session at its single look (p=1.9e-4 at 500 runs) and now takes a second look sized by its measured power
+12)  # every CUDA test and test_cache.py (with the carried transformers: 5.24 names the forward's cache argument
+     # `cache`), and the dynamic same-tokenizer chi-square case, whose q^2 control misses at its first look on
+     # CUDA's draws (p=1.9e-4 at 500 runs) and rejects at its second, sized by its measured power
   XTOKSPEC_TEST_DEVICE=cuda step 560 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 8 \
     --durations=0 tests/test_gpu.py tests/test_cache.py \
     tests/test_stats.py -k "test_gpu or test_cache or (end_to_end_sampling_matches_target and dynamic-same)"
   ;;
-13)  # issue 10's figures at T=0.7 on the fixture preset, measured on the GPU (eager, CUDA's static cache), with
+13)  # trees against chains at T=0.7 on the fixture preset, measured on the GPU (eager, CUDA's static cache), with
      # and without the fallback to the target alone: bridged tree vs bridged chains and vs the same-tokenizer chain
   step 540 fixtures-t07 xtokspec bench --preset fixtures --device cuda --prompts ${2:-12} --modes T=0.7 --tree-widths 4 \
     --always-draft --no-progress --systems xtokspec-same xtokspec-bridged-onehot xtokspec-bridged-intersection \
@@ -108,8 +108,8 @@ case "${1:-1}" in
     xtokspec-bridged-intersection-always xtokspec-bridged-auto-always xtokspec-bridged-tree4-always --out "$OUT/fixtures-t07"
   ;;
 14)  # eager, the fixture target (24 narrow layers) costs ~6-7 draft steps (2 layers) a call, in launches;
-     # captured, both cost little: the tree and the intersection chain compiled, drafting every cycle. The
-     # nineteenth session's try, limited to 380 s, was still compiling (the two systems' buckets) when it stopped
+     # captured, both cost little: the tree and the intersection chain compiled, drafting every cycle. Compiling
+     # the two systems' buckets takes most of a call: a 380-s limit stopped it while still compiling
   step 560 fixtures-t07c xtokspec bench --preset fixtures --device cuda --compile --prompts 12 --max-new-tokens 64 \
     --modes T=0.7 --tree-widths 4 --always-draft --no-progress --systems xtokspec-bridged-tree4-always \
     xtokspec-bridged-intersection-always --out "$OUT/fixtures-t07c"

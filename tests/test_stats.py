@@ -197,7 +197,7 @@ def test_sampled_root_draws_and_rule_have_the_exact_joint_law():
 # accepted 2 proposals in one cycle, so that it cannot quietly stop reaching the deep position, and runs
 # two negative controls through the functions the loop really calls (monkeypatched in `sampling`): one
 # flawed at a cycle's first proposal only, one at its later proposals only. Both must fail the same check.
-N_E2E = 500  # 1,000 until the seventeenth session (CI had reached 23 minutes on a slow hour)
+N_E2E = 500  # CI's time budget; the power this buys is below CASES
 LENGTH = 3
 NUM_DRAFT_TOKENS = 3
 MIN_DEEP_SHARE = 0.10  # the chosen prompts measure 0.14-0.50 (v2.1 fixtures)
@@ -361,24 +361,21 @@ COMPILE_SAME = ("compile", "same-tokenizer", "t0.7-k6-p0.9")
 DYNAMIC_ONEHOT = ("dynamic", "onehot", "t1.0-k3")
 STATIC_INTERSECTION = ("static", "intersection", "t1.0-k3")
 DYNAMIC_INTERSECTION = ("dynamic", "intersection", "t0.7-k6-p0.9")
-# The static one-hot case ("static", "onehot", "t1.0-k3") ran here until the fifteenth session. It drew exactly
-# the dynamic one-hot case's samples (same seeds, same logits: the same p-value at 2,000 runs), so
-# tests/test_cache.py now checks that sample for sample on its seeds, an exact test in the py env.
+# No static one-hot case: it draws exactly the dynamic one-hot case's samples (same seeds, same logits), which
+# tests/test_cache.py checks sample for sample on its seeds, an exact test in the py env.
 CASES = [DYNAMIC_SAME, COMPILE_SAME, DYNAMIC_ONEHOT, STATIC_INTERSECTION, DYNAMIC_INTERSECTION]
-# Runs per case: N_E2E = 500 (1,000 until the seventeenth session; CI's time). At 500 runs a case's test
-# rejects a flaw whose effect per draw is 0.12 or more with probability >= 0.9 (0.06 at 1,000;
-# reference.control_miss_probability at dof 25). The controls' flaws measure 0.06-2.5 per draw (CONTROLS): the
-# weakest of them would now slip past a case's own check more often, which is the price of CI's budget; each
-# control runs its own count. Until the fifteenth session the same-tokenizer t1.0 and one-hot cases ran 2,000: the one-hot deep
-# control then was the residual flaw at the second proposal, which gave p = 4.6e-5 at 2,000 runs, just under
-# the ALPHA of then (4.7e-5): the test could barely see that flaw. The dynamic one-hot case's deep control is now the
-# untested-later-proposals flaw (8.7e-9 at 500 runs, 5.6e-18 at 1,000); the residual flaw stays its first-position
-# control.
+# Runs per case: N_E2E = 500 (CI's time). At 500 runs a case's test rejects a flaw whose effect per draw is 0.12
+# or more with probability >= 0.9 (0.06 at 1,000; reference.control_miss_probability at dof 25). The controls'
+# flaws measure 0.06-2.5 per draw (CONTROLS): the weakest of them would slip past a case's own check more often
+# than at 1,000 runs, which is the price of CI's budget; each control runs its own count. The dynamic one-hot
+# case's deep control is the untested-later-proposals flaw (8.7e-9 at 500 runs, 5.6e-18 at 1,000): the residual
+# flaw at the second proposal is too weak there (p = 4.6e-5 at 2,000 runs); the residual flaw stays its
+# first-position control.
 # The cases tox's second stats env runs (tox -e stats2), so that the two envs share the machine's 2 cores.
 # stats2 starts after the py env, so it gets less: with STATIC_INTERSECTION there, CI's critical path (py, then
-# stats2) ran 16 min while stats ended at 13 (tenth session), so it runs in stats. The tree cases below split the
-# same way: the static-cache ones in stats2, the dynamic ones in stats; both sampled-root cases run in stats
-# (seventeenth session: py 12 min + stats2 6 was CI's critical path, stats 16).
+# stats2) ran 16 min while stats ended at 13, so it runs in stats. The tree cases below split the same way: the
+# static-cache ones in stats2, the dynamic ones in stats; both sampled-root cases run in stats (py 12 min plus
+# stats2 6 is then CI's critical path, stats 16).
 SECOND_ENV = {COMPILE_SAME, DYNAMIC_INTERSECTION}
 CASE_CONTROLS = {
     DYNAMIC_SAME: (("q^2", "first"), ("q^2", "deep")),
@@ -448,7 +445,7 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 TREE_WIDTH, TREE_DEPTH = 4, 2
 TREE_CASES = [("dynamic", "onehot", "t1.0-k3"), ("static", "same-tokenizer", "t0.7-k6-p0.9")]
 TREE_PROMPTS = {TREE_CASES[0]: "指定されたデバイス上に作成する。 ext", TREE_CASES[1]: "(8) はユーザ"}
-TREE_RUNS = {TREE_CASES[0]: 400, TREE_CASES[1]: 400}  # 1,000 until the fifteenth session, 600 until the seventeenth
+TREE_RUNS = {TREE_CASES[0]: 400, TREE_CASES[1]: 400}  # CI's budget
 TREE_CONTROLS = {TREE_CASES[0]: ("first",), TREE_CASES[1]: ("deep",)}
 #
 # C2, tree_root="sampled". The controls replace `tree.sampled_tests` (the root's rule, as the loop calls it) by
@@ -574,7 +571,7 @@ def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_sp
 # shows that the loop carries its state across kinds without changing the law, and its control has power at
 # the first cycle; it would not see a one-hot-only flaw in a later cycle: D2 does.
 SWITCH_CASE = ("dynamic", "intersection", "t1.0-k3")
-SWITCH_RUNS = 600  # 1,000 until the seventeenth session
+SWITCH_RUNS = 600  # CI's budget
 MIN_SWITCHED_SHARE = 0.3
 
 
@@ -639,7 +636,7 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
 LONG_SETTING = "t1.0-k3"
 LONG_PROMPT = "has_journal ( -"
 LONG_LENGTH = 6
-LONG_RUNS = 400  # 1,000 until the fifteenth session, 600 until the seventeenth
+LONG_RUNS = 400  # CI's budget
 MIN_LATER_ONEHOT_REJECTIONS = 0.3  # runs with a rejected one-hot proposal after their first cycle (measured 0.93)
 
 
@@ -719,7 +716,7 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
 # the target puts little mass there, so this case does not show the second row separately. The trimmed head
 # scores every row of every draft forward alike (test_draft_vocab.py checks the logits).
 TRIM_CASE = ("dynamic", "intersection", "t1.0-k3")
-TRIM_RUNS = 400  # 1,000 until the fifteenth session, 600 until the seventeenth
+TRIM_RUNS = 400  # CI's budget
 TRIMMED_TOKENS = (" が", " 2", " 0")
 MIN_TRIMMED_MASS = 0.1  # of the full head's warped mass at the first and at the second proposal
 
@@ -791,7 +788,7 @@ def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, m
 # the warpers forgotten), which only those cycles see.
 ALONE_CASE = ("dynamic", "intersection", "t1.0-k3")
 ALONE_LENGTH = 4
-ALONE_RUNS = 400  # 1,000, then 600 until the seventeenth session (CI's budget)
+ALONE_RUNS = 400  # CI's budget
 MIN_AFTER_ALONE_SHARE = 0.3  # runs with a drafted cycle carrying proposals right after a target-alone one
 
 
@@ -932,14 +929,14 @@ def test_end_to_end_sampling_past_a_sliding_window_matches_target(sp_tokenizer, 
 # probability <= CONTROL_MISS even at the lower bound (estimate - 2 standard errors) of its flaw's effect per
 # draw, estimated from the p-values of past runs (`evidence`: runs, p-value, and the chi-square's dof there, from
 # tests/tools/control_power.py; reference.noncentrality_per_run). Runs on the same seeds are the same draws, so
-# the evidence holds the largest CPU run on the test's seeds, the CUDA runs (other draws) of the seventeenth
-# session, and for the weakest four a CPU run of 1,500 on seeds 2,000-3,499.
+# the evidence holds the largest CPU run on the test's seeds, CUDA runs on an H100 (other draws), and for the
+# weakest four a CPU run of 1,500 on seeds 2,000-3,499.
 # test_controls_are_sized_to_miss_rarely checks every size. `first` is chosen for CI's time: where the effect
 # misses with probability <= ~7% (the tool's "miss at first"); CI's draws are fixed, so a second look costs time
 # only when they change (another device, a changed sampler).
-# Until the seventeenth session the controls had only `first`: sized from one run each (p < 1e-6 at that run),
-# six missed with probability 2-7% by the estimates the tool prints, and the dynamic same-tokenizer case's q^2
-# control did miss on an H100 (p = 1.9e-4 at 500 runs, where the CPU's draws gave 1.6e-11).
+# Why a second look: sized from one run each (p < 1e-6 at that run), six controls would miss with probability 2-7%
+# at `first` alone by the estimates the tool prints, and the dynamic same-tokenizer case's q^2 control does miss
+# at its first look on an H100's draws (p = 1.9e-4 at 500 runs, where the CPU's draws give 1.6e-11).
 CONTROL_MISS = 1e-4
 
 
