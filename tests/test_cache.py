@@ -230,10 +230,9 @@ def test_streams_open_at_once_never_share_a_static_buffer(tree_width, tiny_targe
     assert len(spec._idle_kv) == 2  # one buffer per model, kept for the next generation
 
 
-# The static cache's sampled one-hot path, sample for sample. Until the fifteenth session a chi-square case in
-# tests/test_stats.py ran it (2,000 seeded generations and a control): it drew exactly the dynamic case's
-# samples, whose law that file tests. Equality on the same seeds is the stronger check of the backend, at a
-# fraction of the cost: any divergence fails it (a sampled token flips only if the two caches' logits differed).
+# The static cache's sampled one-hot path, sample for sample against the dynamic cache, whose law
+# tests/test_stats.py tests: equality on the same seeds is a stronger check of the backend than a chi-square case
+# of its own, at a fraction of the cost (a sampled token flips only if the two caches' logits differed).
 SAME_SAMPLE_SEEDS = 150
 
 

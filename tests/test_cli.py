@@ -84,7 +84,7 @@ def test_version_and_no_stub_command(capsys):
     assert exit_.value.code == 2 and "invalid choice: 'fetch'" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- a new user's first ten minutes (issue 12)
+# ---------------------------------------------------------------- a new user's first ten minutes
 class _NoModels:
     """Stands in for XTokSpec: records what the CLI asked for; loading it at all can be made an error."""
 

@@ -182,7 +182,7 @@ def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenize
 def test_warmup_compiles_every_shape_before_the_first_generation(tree_width, tiny_target, bpe_tokenizer, monkeypatch,
                                                                  caplog):
     """`warmup` compiles what generations of the prompt's size class meet, so that none stops to compile (on an
-    H100 at the 13B shapes the twelfth session's loop stalled 44 s in its third prompt). Dynamo runs for real
+    H100 at the 13B shapes a loop without it stalled 44 s in its third prompt). Dynamo runs for real
     (eager backend): after the warm-up, generations of several prompt lengths compile no graph, announce no
     new shape, and still equal the target's greedy output."""
     from torch._dynamo.utils import counters

@@ -167,7 +167,7 @@ def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe, monkeypatch
 
 def test_a_bf16_target_on_a_cpu_without_bf16_units_is_warned_about(ja_draft_bpe, monkeypatch):
     """Without AVX512-BF16 or AMX a bfloat16 forward over n tokens costs ~n one-token steps (BENCHMARKS.md,
-    thirteenth session), so verification cannot pay: XTokSpec says so. A float32 target, or a
+    "Where verification cannot pay"), so verification cannot pay: XTokSpec says so. A float32 target, or a
     CPU with the units, gets no such warning."""
     import copy
     import warnings

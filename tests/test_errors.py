@@ -114,7 +114,7 @@ def test_result_text_skips_the_tokenizers_clean_up(tiny_spec, monkeypatch):
     assert tiny_spec._decode(ids) == text
 
 
-# ---------------------------------------------------------------- a new user's first calls (issue 12)
+# ---------------------------------------------------------------- a new user's first calls
 def test_temperature_zero_means_greedy(tiny_spec):
     """temperature=0 without do_sample is the usual way to ask for greedy output: no error, greedy ids."""
     greedy = tiny_spec.generate("東京", max_new_tokens=6).token_ids

@@ -76,7 +76,7 @@ def test_tree_prediction_costs_levels_and_verification_at_their_compiled_buckets
     assert row["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (14.0 + 14.0) / 2) / 10.0))  # 5 and 7 ids -> 8
     (eager,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")
     assert eager["predicted_speedup"] == pytest.approx(3 / ((2 * 6.0 + (25.0 + 27.0) / 2) / 20.0))
-    pair["target_tree_compiled"] = {8: 16.0, 16: 18.0, 32: 22.0}  # measured tree-masked (twelfth session on)
+    pair["target_tree_compiled"] = {8: 16.0, 16: 18.0, 32: 22.0}  # measured tree-masked costs
     (masked,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
     assert masked["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + (16.0 + 16.0) / 2) / 10.0))
     (eager_again,) = gpu.predict(pair, tmp_path / "results.json", 0.0, costs="static")  # compiled costs only
@@ -84,6 +84,6 @@ def test_tree_prediction_costs_levels_and_verification_at_their_compiled_buckets
     (dearer,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=1.0, tree_overhead_s=3.0)  # a tree's own
     assert dearer["predicted_speedup"] == pytest.approx(3 / ((2 * 1.5 + 16.0 + 3.0) / 10.0))
     del pair["target_tree_compiled"]
-    del pair["draft_compiled"][4]  # not measured (stored costs before the eleventh session): the 1-id call's
+    del pair["draft_compiled"][4]  # not measured (older stored costs): the 1-id call's
     (older,) = gpu.predict(pair, tmp_path / "results.json", overhead_s=0.0)
     assert older["predicted_speedup"] == pytest.approx(3 / ((2 * 1.0 + 14.0) / 10.0))

@@ -377,7 +377,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (the GPU benchmark)")
     bench.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                        help="onednn: every model's linears packed for oneDNN (float32 CPU only; faster short "
-                            "forwards on CPUs without bfloat16 units; BENCHMARKS.md, 'oneDNN linears')")
+                            "forwards on CPUs without bfloat16 units; BENCHMARKS.md, 'Where verification cannot pay')")
     bench.add_argument("--compile", action="store_true",
                        help="xtokspec systems with SpecConfig(compile=True) (CUDA graphs on a GPU), every shape "
                             "compiled before timing (minutes per system for a large model)")

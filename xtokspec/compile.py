@@ -28,7 +28,7 @@ class CompiledStep:
     """`model` compiled for fixed-length calls (CUDA graphs on a GPU: torch.compile's reduce-overhead mode).
 
     torch.compile compiles inside the first call of each new shape (bucket length x buffer size): seconds on a
-    CPU, minutes for a 13B model on a GPU (BENCHMARKS.md, section GPU). Those calls are logged (logger
+    CPU, minutes for a 13B model on a GPU (BENCHMARKS.md, "GPU (H100)"). Those calls are logged (logger
     "xtokspec", INFO; the CLI prints it), with their duration, so a long first generation says why it is long."""
 
     def __init__(self, model, role: str = "model"):

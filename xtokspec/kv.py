@@ -54,7 +54,7 @@ def buffer_capacity(needed: int, limit: int) -> int:
 
     torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
     every bucket of both models whenever a prompt's length was new: on an H100 at the 13B shapes that stalled
-    the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, section GPU). Rounded, a process
+    the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, "GPU (H100)"). Rounded, a process
     compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows. Compiled steps attend
     over the whole buffer, so the classes are kept within 1.5x of each other (at most a third of a buffer is
     past the longest generation that needed it), at about twice as many classes as powers of two alone."""

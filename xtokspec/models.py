@@ -208,7 +208,7 @@ def cpu_has_bf16_matmul() -> bool:
 def cpu_bf16_note(model, role: str) -> str | None:
     """A warning's text when the target verifies in bfloat16 on a CPU without bfloat16 matrix units: there a
     forward over n tokens costs about n one-token steps, so verifying several drafted tokens at once saves
-    nothing (the real pair ran at 0.3-0.65x the target alone; BENCHMARKS.md, "Sampled tree roots")."""
+    nothing (the real pair ran at 0.3-0.65x the target alone; BENCHMARKS.md, "Where verification cannot pay")."""
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or cpu_has_bf16_matmul():
         return None
@@ -227,7 +227,7 @@ def onednn_linears(model: torch.nn.Module, keep_head: bool = False) -> int:
     its weight packed once; returns how many. On a CPU without bfloat16 units torch's float32 linear (MKL) costs
     each row of a short input about what one row costs, so verifying n drafted tokens costs ~n steps; oneDNN's
     packed linear verifies 4 tokens of Qwen2.5-1.5B for ~1.6 steps and runs one-token steps ~13% faster
-    (AVX2 EPYC, 2 threads; BENCHMARKS.md, "oneDNN linears"). Logits move by float rounding only (1e-4).
+    (AVX2 EPYC, 2 threads; BENCHMARKS.md, "Where verification cannot pay"). Logits move by float rounding only (1e-4).
 
     The model's own `generate` then runs the same kernels, so xtokspec's output equals the converted model's.
     Inference only: the packed weights are buffers without gradients; the output head, if tied to the input

@@ -138,7 +138,7 @@ def paired(runs: list[Run], mode: str, a: str, b: str, resamples: int = 10_000) 
             "mean_ratio": float(ratios.mean()), "ci_low": low, "ci_high": high, "wins": int((ratios > 1).sum())}
 
 
-# (a, b): the head-to-head comparisons issue 5 asks about, when both systems ran
+# (a, b): the head-to-head comparisons against the peers, when both systems ran
 PAIRS = [("xtokspec-same", "hf-assisted"), ("xtokspec-bridged", "hf-universal"),
          ("xtokspec-bridged", "xtokspec-same"), ("xtokspec-bridged", "xtokspec-bridged-fixed-k"),
          ("xtokspec-bridged-intersection", "xtokspec-bridged-onehot"),
