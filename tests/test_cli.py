@@ -311,3 +311,19 @@ def test_cli_and_api_give_the_same_text(capsys):
     assert out == api.generate(prompt, max_new_tokens=24).text + "\n"
     assert "bfloat16" in err and "stopped:" in err
     assert "Loading weights" not in err + capsys.readouterr().err  # neither shows loading bars
+
+
+@pytest.mark.slow
+def test_compare_runs_the_target_alone_and_prints_the_speedup(capsys):
+    from xtokspec.cli import main
+
+    assert main(["generate", "表計算ドキュメントのセル範囲は、", "--max-new-tokens", "16", "--compare"]) == 0
+    err = capsys.readouterr().err
+    assert "[xtokspec] target alone:" in err and "x" in err.split("target alone:")[1]
+    assert "the same output" in err  # greedy: the target's own text
+
+
+@pytest.mark.slow
+def test_chat_flag_refuses_a_target_without_a_chat_template(capsys):
+    assert main(["generate", "東京", "--chat", "--max-new-tokens", "4"]) == 2
+    assert "no chat template" in capsys.readouterr().err

@@ -131,21 +131,60 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[xtokspec] oneDNN linears: {counts[0]} in the target, {counts[1]} in the draft", file=sys.stderr)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed,
                   temperature=None if do_sample is False else args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.chat:  # the prompt as one user message, rendered with the target's chat template
+        prompt, kwargs["messages"] = None, [{"role": "user", "content": prompt}]
     stats = GenerationStats()
     if args.stream:
+        pieces = []
         for piece in spec.stream(prompt, stats=stats, **kwargs):
             print(piece, end="", flush=True)
+            pieces.append(piece)
         print()
+        text = "".join(pieces)
     else:
         result = spec.generate(prompt, **kwargs)
         print(result.text)
-        stats = result.stats
+        stats, text = result.stats, result.text
     print(f"[xtokspec] {spec.describe()}", file=sys.stderr)
     kind = stats.proposal
     if stats.proposal == "auto":  # chosen each cycle: say which kinds ran, how often
         kind += " (" + ", ".join(f"{k} {n}" for k, n in sorted(stats.proposal_cycles.items())) + " cycles)"
     print(f"[xtokspec] {kind}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
+    if args.compare:
+        _compare(spec, prompt, kwargs, stats, text)
     return 0
+
+
+def _compare(spec, prompt, kwargs: dict, stats, text: str) -> None:
+    """--compare: the same prompt through the target alone (transformers' generate, the same sampling settings),
+    then the speed-up and, when greedy, whether the two outputs are the same text."""
+    import time
+
+    import torch
+
+    model, tokenizer = spec.target_model, spec.target_tokenizer
+    if kwargs.get("messages"):
+        inputs = tokenizer.apply_chat_template(kwargs["messages"], add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    params = spec.sampling_params(kwargs["do_sample"], kwargs["temperature"], kwargs["top_k"], kwargs["top_p"])
+    options = dict(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p) \
+        if params.do_sample else dict(do_sample=False)
+    if kwargs.get("seed") is not None:
+        torch.manual_seed(kwargs["seed"])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=kwargs["max_new_tokens"], **options)
+        seconds = time.perf_counter() - start
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    alone, ours = len(ids) / seconds, stats.new_tokens / max(stats.wall_seconds, 1e-9)
+    line = f"[xtokspec] target alone: {alone:.1f} tokens/s; xtokspec {ours:.1f} tokens/s = {ours / alone:.2f}x"
+    if not params.do_sample:
+        same = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+        line += "; the same output" if same else "; outputs differ (a floating-point near-tie: see docs/how-it-works.md)"
+    print(line, file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--calibration", default=None, metavar="FILE",
                      help="UTF-8 text in the domain you will generate, one document per line (for --draft-vocab)")
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the target alone on the prompt and print the speed-up (and, greedy, whether "
+                     "the outputs are the same)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as one user message through the target's chat template")
     gen.set_defaults(func=_generate)
 
     add_bench_parser(sub)

@@ -192,9 +192,10 @@ class TokenCodec:
                     "SentencePiece-style tokenizers whose tokens concatenate to the text"
                 )
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """The tokenizer's own default encoding (BOS where it adds one), as `tokenizer(text)` gives."""
-        return list(self.tokenizer(text)["input_ids"])
+    def encode_prompt(self, text: str, special: bool = True) -> list[int]:
+        """The tokenizer's own default encoding (BOS where it adds one), as `tokenizer(text)` gives; `special=False`:
+        none added (a chat template's text has its own)."""
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def encode_fragment(self, text: str) -> list[int]:
         """Ids of `text` as a continuation: no specials, no dummy prefix."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import loop, options, sampling
+from . import chat, loop, options, sampling
 from .bridge import TextSync, build_token_map
 from .cache import ModelState
 from .codec import TokenCodec
@@ -116,8 +116,10 @@ class XTokSpec:
         self.draft_model, self.draft_vocab = model, vocab
         return vocab
 
-    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
-        """Continue `prompt`; greedy by default, or do_sample=True with temperature / top_k / top_p / seed.
+    def generate(self, prompt: str | None = None, max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Continue `prompt`, or answer chat `messages=[{"role": "user", "content": ...}, ...]` (rendered with the
+        target's chat template; xtokspec/chat.py); greedy by default, or do_sample=True with temperature / top_k
+        / top_p / seed.
 
         Other keywords: proposal ("auto" | "onehot" | "intersection"), num_draft_tokens, adaptive, tree_width;
         SpecConfig's other fields are the XTokSpec's, and passing one here is an error naming so.
@@ -135,8 +137,10 @@ class XTokSpec:
         text = self._decode(token_ids)
         return GenerationResult(text=text, token_ids=token_ids, stats=stats, stop_reason=stats.stop_reason)
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, stats: GenerationStats | None = None, **kwargs) -> Iterator[str]:
-        """Yield the continuation's text as soon as it is verified (whole characters only)."""
+    def stream(self, prompt: str | None = None, max_new_tokens: int = 128, stats: GenerationStats | None = None,
+               **kwargs) -> Iterator[str]:
+        """Yield the continuation's text as soon as it is verified (whole characters only); `messages=` as in
+        `generate`."""
         token_ids: list[int] = []
         shown = ""
         for new_ids in self._cycles(prompt, max_new_tokens, stats or GenerationStats(), **kwargs):
@@ -285,25 +289,33 @@ class XTokSpec:
         return self._draft_to_target[device]
 
     # ---------------------------------------------------------------- one generation
-    def _cycles(self, prompt, max_new_tokens, stats, *, do_sample=None, temperature=None, top_k=None,
+    def _cycles(self, prompt, max_new_tokens, stats, *, messages=None, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, **kwargs) -> Iterator[list[int]]:
         unknown = sorted(set(kwargs) - set(options.keyword_only(self.cycles)))
         if unknown:  # NOTE: the keywords named are the ones these signatures take, so they cannot drift apart
             known = (options.keyword_params(self.generate, skip=("prompt",)) + options.keyword_only(self._cycles)
                      + options.keyword_only(self.cycles))
             raise XTokSpecError(options.unknown_options_message(unknown, known))
-        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
+        if messages is not None:  # chat: the template's text carries its own special tokens
+            if prompt is not None:
+                raise XTokSpecError("pass either a prompt or messages, not both")
+            prompt, draft_prompt = chat.render(messages, self.target_tokenizer, self.draft_tokenizer)
+            target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens, draft_prompt, special=False)
+        else:
+            target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: the prompt's errors first
         params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
         yield from self.cycles(target_ids, draft_ids, max_new_tokens, stats, params, **kwargs)
 
-    def _check_prompt(self, prompt, max_new_tokens) -> tuple[list[int], list[int]]:
+    def _check_prompt(self, prompt, max_new_tokens, draft_prompt=None, special=True) -> tuple[list[int], list[int]]:
+        """Both models' prompt ids (the draft's from `draft_prompt` if given; `special=False`: no BOS added, the
+        text has its own special tokens, as a chat template's does)."""
         check_prompt(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         with no_length_warning(self.target_tokenizer, self.draft_tokenizer):  # NOTE: _check_length names it
-            target_ids = self.target.encode_prompt(prompt)
+            target_ids = self.target.encode_prompt(prompt, special)
             self._check_length(target_ids)
-            draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(prompt)
+            draft_ids = target_ids if self.same_vocab else self.draft.encode_prompt(draft_prompt or prompt, special)
         return target_ids, draft_ids
 
     def _check_length(self, target_ids: list[int]) -> None:
