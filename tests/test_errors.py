@@ -28,7 +28,7 @@ from xtokspec import XTokSpec, XTokSpecError
         # a SpecConfig field that generate() does not take per call: where it goes, not a TypeError
         ("東京", {"fallback": False}, r"'fallback' is set once per XTokSpec: XTokSpec\(\.\.\., config=SpecConfig"),
         ("東京", {"temprature": 0.7}, "'temprature' is not an option \\(did you mean 'temperature'\\?\\)"),
-        ("東京", {"max_length": 8}, "'max_length' is not an option. They take: max_new_tokens, do_sample, "),
+        ("東京", {"max_length": 8}, "'max_length' is not an option. They take: max_new_tokens, messages, do_sample, "),
         # generate's own parameters come first: max_new_tokens, not SpecConfig's max_draft_tokens
         ("東京", {"max_tokens": 8}, "'max_tokens' is not an option \\(did you mean 'max_new_tokens'\\?\\)"),
     ],
