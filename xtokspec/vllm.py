@@ -1,0 +1,311 @@
+"""xtokspec's text bridge as a vLLM speculative proposer: a draft with another tokenizer inside vLLM's engine.
+
+    from vllm import LLM
+    llm = LLM("path/to/target", additional_config={"xtokspec_draft": "path/to/draft"},
+              speculative_config={"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
+                                  "num_speculative_tokens": 3})
+
+vLLM (v1 engine, 0.32) builds the class named in `speculative_config.model` as `Class(vllm_config)` inside its
+worker, calls `load_model(target_model)` once, and after every step `propose(sampled_token_ids,
+num_tokens_no_spec, token_ids_cpu)`: one row per running request (its newly committed ids, its length, its whole
+prompt + output as target ids), no request ids, no sampling parameters. It expects up to K target ids per row and
+verifies them one-hot (no draft probabilities): a proposal is accepted with the target's probability of it, and on
+a rejection the next token is drawn from the target's distribution without it, so any proposal that does not
+look at the target's random draws leaves greedy and sampled output exactly the target's own.
+
+Per request the proposer keeps xtokspec's text state (`bridge.TextSync`, through `mapping.TextBridge`, or
+`mapping.SameVocab` when both tokenizers are one) and the draft's ids and KV cache (`cache.ModelState`), from
+step to step: each step commits the row's new target ids (the draft keeps the drafted ids whose bytes the
+committed text repeats and re-encodes only the rest) and drafts K ids greedily from there
+(`propose.ChainProposer`), one draft forward per request per drafted id.
+
+Finding a request's state again (`RequestTable`): vLLM's rows move (requests finish, are aborted, preempted and
+resumed), so a row is matched by its token ids, never by its position. A state remembers the ids it has seen;
+a row matches the states whose ids are a prefix of the row's ids, and each row gets a different state, the
+longest matches first. A row that matches no free state gets a new one (its draft prefills the row's text).
+Identical rows (the same prompt sent twice, `n > 1`) get one state each; while the rows are equal so are the
+states, so which row takes which does not matter, and once they diverge each state matches only its own row.
+The output never depends on this matching: a state is always brought to the row's own ids before it drafts, so
+a wrong match costs acceptance, never correctness.
+
+Dropping state: no finish signal reaches a proposer. A state that no row matched in `idle_calls` consecutive
+`propose` calls is dropped (a request that finished, was aborted, or is preempted for that long: it gets a new
+state when it comes back), and at most `max_states` are kept (the longest idle go first), so memory stays flat
+however many requests pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .bridge import TextSync
+from .cache import ModelState
+from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
+from .kv import context_limit
+from .mapping import SameVocab, TextBridge
+from .models import eos_ids, load
+from .propose import ChainProposer
+from .types import Laps, XTokSpecError
+
+log = logging.getLogger("xtokspec")
+
+DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder, a hub id, a bundled name)
+DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
+DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
+LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.draft_lookbehind's default)
+
+
+# ---------------------------------------------------------------------------------------------- request matching
+@dataclass(eq=False)
+class Entry:
+    """One request's state as the table sees it: the target ids it has seen, and the caller's payload."""
+
+    ids: np.ndarray  # (n,) the row's ids when it was last matched
+    payload: object = None  # the caller's per-request state (None until the caller sets it)
+    idle: int = 0  # consecutive propose calls in which no row matched it
+    number: int = field(default=0)  # creation order: ties between equal matches go to the older entry
+
+
+class RequestTable:
+    """Per-request states found again from token ids (the rule: this module's docstring)."""
+
+    def __init__(self, idle_calls: int = 4, max_states: int = 1024):
+        if idle_calls < 0 or max_states < 1:
+            raise ValueError(f"need idle_calls >= 0 and max_states >= 1, got {idle_calls}, {max_states}")
+        self.idle_calls, self.max_states = idle_calls, max_states
+        self.entries: list[Entry] = []
+        self.created = self.dropped = 0
+
+    def assign(self, rows: Sequence[np.ndarray | None]) -> list[tuple[Entry, int] | None]:
+        """For each row (its ids, or None for a row that wants no proposal): (its entry, how many of the row's ids
+        the entry had seen: 0 for a new entry) -> the entry's `ids` become the row's. Entries that no row matched
+        age by one call; those idle more than `idle_calls`, then the longest idle past `max_states`, are dropped."""
+        pairs = []  # (-matched length, entry number, row, entry)
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            for e in self.entries:
+                n = len(e.ids)
+                if n <= len(row) and (n == 0 or row[n - 1] == e.ids[-1]) and np.array_equal(row[:n], e.ids):
+                    pairs.append((-n, e.number, r, e))
+        pairs.sort(key=lambda p: p[:3])
+        out: list[tuple[Entry, int] | None] = [None] * len(rows)
+        taken: set[int] = set()
+        for neg_n, _, r, e in pairs:
+            if out[r] is None and id(e) not in taken:
+                out[r] = (e, -neg_n)
+                taken.add(id(e))
+        for e in self.entries:
+            e.idle = 0 if id(e) in taken else e.idle + 1
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            if out[r] is None:
+                e = Entry(np.empty(0, dtype=row.dtype), number=self.created)
+                self.created += 1
+                self.entries.append(e)
+                out[r] = (e, 0)
+            out[r][0].ids = np.array(row, copy=True)
+        self._drop()
+        return out
+
+    def _drop(self) -> None:
+        keep = [e for e in self.entries if e.idle <= self.idle_calls]
+        if len(keep) > self.max_states:
+            keep.sort(key=lambda e: (e.idle, -e.number))
+            keep = keep[: self.max_states]
+            keep.sort(key=lambda e: e.number)
+        self.dropped += len(self.entries) - len(keep)
+        self.entries = keep
+
+
+# ---------------------------------------------------------------------------------------------- one request
+class RequestDraft:
+    """One request's draft: its ids and KV cache (`ModelState`) and the mapper that keeps it on the committed text."""
+
+    def __init__(self, owner: TextBridgeProposer, target_ids: list[int]):
+        self.owner = owner
+        self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
+        self.draft_steps = 0  # the last proposal's draft forwards
+        if owner.same_vocab:
+            prompt, tail = list(target_ids), []
+        else:
+            split = complete_prefix(owner.target, target_ids)
+            text = owner.target_tokenizer.decode(target_ids[:split], skip_special_tokens=True,
+                                                 clean_up_tokenization_spaces=False)
+            prompt, tail = (owner.draft.encode_prompt(text) if text else []), list(target_ids[split:])
+        bos = owner.draft_tokenizer.bos_token_id
+        head = int(bos is not None and prompt[:1] == [bos])  # a window of the text keeps the BOS
+        self.state = ModelState(owner.draft_model, prompt, "dynamic", owner.draft_limit)
+        if owner.same_vocab:
+            self.mapper = SameVocab(owner.target_vocab, owner.draft_device, head)
+        else:
+            sync = TextSync(owner.target, owner.draft, LOOKBEHIND)
+            self.mapper = TextBridge(sync, owner.target_eos, len(prompt), "greedy-bridge", head)
+            if tail:  # the prompt ends inside a character: its first bytes wait in the text state
+                self.mapper.commit(self.state, [], tail)
+
+    def advance(self, new_ids: list[int]) -> None:
+        """Commit the row's new target ids: keep the drafted ids they repeat, re-encode the rest."""
+        self.mapper.commit(self.state, self.drafted, new_ids)
+        self.drafted = []
+
+    def propose(self, k: int, room: int, laps: Laps) -> list[int]:
+        """Draft k ids greedily -> at most `room` target ids."""
+        owner, state = self.owner, self.state
+        self.draft_steps = 0
+        if not state.ids or room <= 0:
+            return []
+        if len(state.ids) + k + 1 > owner.draft_limit:  # keep the draft's most recent half of its context
+            self.mapper.slide(state, len(state.ids) - owner.draft_limit // 2)
+        k = min(k, owner.draft_limit - len(state.ids) - 1)
+        if k <= 0:
+            return []
+        proposal = owner.chain.propose(state, k, self.mapper, room, laps)
+        self.drafted, self.draft_steps = proposal.draft_ids, proposal.draft_steps
+        return proposal.target_ids
+
+
+def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
+    """The most leading ids whose bytes are complete UTF-8 (a prompt may end inside a character: byte-fallback
+    pieces, or a byte-level token holding part of one)."""
+    table = codec.token_bytes
+    data = b"".join(table[i] for i in ids)
+    valid = utf8_valid_prefix_len(data)
+    end = len(data)
+    for n in range(len(ids), 0, -1):
+        if end <= valid and is_char_boundary(data, end):
+            return n
+        end -= len(table[ids[n - 1]])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- the proposer
+@dataclass
+class ProposerStats:
+    """What the proposer did, summed over its propose calls (`TextBridgeProposer.stats`)."""
+
+    calls: int = 0  # propose calls
+    rows: int = 0  # rows that were given a chance to propose
+    proposed: int = 0  # target ids proposed
+    draft_forwards: int = 0  # draft forwards (one per drafted id, per request)
+    new_states: int = 0  # requests whose draft prefilled from scratch
+    draft_s: float = 0.0  # seconds in the draft's forwards
+    bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
+    other_s: float = 0.0  # seconds matching rows, committing and creating states (prefills included)
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.bridge_s + self.other_s
+
+
+class TextBridgeProposer:
+    """A vLLM `custom_class` proposer: a draft model with any tokenizer, bridged through text (module docstring)."""
+
+    # live instances, for tests and benchmarks that run vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    instances: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, vllm_config, draft=None):
+        from transformers import AutoTokenizer
+
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        draft = draft or extra.get(DRAFT_KEY) or os.environ.get(DRAFT_ENV)
+        if not draft:
+            raise XTokSpecError(
+                f"xtokspec's vLLM proposer needs a draft model: pass additional_config={{'{DRAFT_KEY}': "
+                f"'path/to/draft'}} (vllm serve: --additional-config '{{\"{DRAFT_KEY}\": \"path/to/draft\"}}') or "
+                f"set {DRAFT_ENV}"
+            )
+        model_config = vllm_config.model_config
+        spec_config = vllm_config.speculative_config
+        dtype = extra.get(DTYPE_KEY) or os.environ.get(DTYPE_ENV) or model_config.dtype
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise XTokSpecError(f"{DTYPE_KEY} / {DTYPE_ENV}: not a torch dtype: {extra.get(DTYPE_KEY) or os.environ.get(DTYPE_ENV)!r}")
+        device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
+        try:
+            self.draft_model, self.draft_tokenizer = load(draft, f"draft {draft!r}", dtype=dtype)
+        except XTokSpecError:
+            raise
+        except Exception as err:  # NOTE: any failure of loading names the draft (vLLM wraps it in its own error)
+            raise XTokSpecError(f"draft {draft!r}: could not load it ({err.__class__.__name__}: {err})") from err
+        self.draft_model.to(device)
+        self.draft_name = str(draft)
+        self.draft_device = torch.device(device)
+        self.target_tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=model_config.trust_remote_code)
+        self.target_vocab = model_config.get_vocab_size()
+        self.target = TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer")
+        self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer")
+        self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
+        eos = model_config.try_get_generation_config().get("eos_token_id")
+        eos = eos if eos is not None else self.target_tokenizer.eos_token_id
+        self.target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+        self.k = spec_config.num_speculative_tokens
+        self.max_model_len = model_config.max_model_len
+        self.draft_limit = context_limit(self.draft_model) or 1 << 30
+        self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer))
+        max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs)
+        self.stats = ProposerStats()
+        TextBridgeProposer.instances.add(self)
+        log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s", draft, type(self.draft_model).__name__,
+                 dtype, self.k, "same tokenizer" if self.same_vocab else "text bridge")
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM hands over the target model here; the draft was loaded in the constructor."""
+
+    def dummy_run(self, *args, **kwargs) -> None:
+        """vLLM's warm-up and graph-capture calls: the draft runs eagerly, nothing to capture."""
+
+    @torch.inference_mode()
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings=None, **kwargs) -> list[list[int]]:
+        """Up to K target ids per row (vLLM's call after each step; rows with no new ids get none)."""
+        stats = self.stats
+        t0 = time.perf_counter()
+        rows: list[np.ndarray | None] = []
+        for r, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[r])
+            # NOTE: no new ids: a chunked prefill still running (vLLM asks for no proposal there)
+            rows.append(token_ids_cpu[r, :n] if sampled and n < self.max_model_len else None)
+        assigned = self.table.assign(rows)
+        out: list[list[int]] = [[] for _ in rows]
+        for r, hit in enumerate(assigned):
+            if hit is None:
+                continue
+            entry, seen = hit
+            row_ids = rows[r].tolist()
+            if entry.payload is None:
+                entry.payload = RequestDraft(self, row_ids)
+                stats.new_states += 1
+            elif seen < len(row_ids) or entry.payload.drafted:
+                entry.payload.advance(row_ids[seen:])
+            laps = Laps()
+            stats.other_s += laps.start - t0
+            room = min(self.k, self.max_model_len - len(row_ids) - 1)
+            out[r] = entry.payload.propose(self.k, room, laps)
+            stats.draft_s += laps.seconds["draft"]
+            stats.bridge_s += laps.seconds["bridge"]
+            stats.draft_forwards += entry.payload.draft_steps
+            stats.rows += 1
+            stats.proposed += len(out[r])
+            t0 = time.perf_counter()
+        stats.other_s += time.perf_counter() - t0
+        stats.calls += 1
+        return out
+
+    @property
+    def states(self) -> int:
+        """Requests whose state is kept now."""
+        return len(self.table.entries)
