@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 import difflib
+import importlib.resources
 import itertools
 import logging
 import os
@@ -21,16 +22,21 @@ FIXTURE_NAMES = ("ja-target", "ja-draft-same", "ja-draft-bpe")
 
 
 def fixtures_dir() -> Path:
-    """The repository's fixtures/ folder: $XTOKSPEC_FIXTURES, the source tree, or the working directory up."""
-    candidates = [Path(os.environ["XTOKSPEC_FIXTURES"])] if os.environ.get("XTOKSPEC_FIXTURES") else []
-    candidates.append(Path(__file__).resolve().parent.parent / "fixtures")
-    candidates += [d / "fixtures" for d in (Path.cwd(), *Path.cwd().parents)]
+    """The bundled fixtures folder (models/, data/): $XTOKSPEC_FIXTURES if set, else the copy installed with the
+    package (xtokspec/fixtures/, package data), else the source tree's fixtures/ (an editable install)."""
+    env = os.environ.get("XTOKSPEC_FIXTURES")
+    if env:
+        if not (Path(env) / "models" / "ja-target" / "config.json").exists():
+            raise XTokSpecError(f"XTOKSPEC_FIXTURES={env!r} has no models/ja-target/config.json")
+        return Path(env)
+    installed = importlib.resources.files(__package__) / "fixtures"
+    candidates = [Path(str(installed)), Path(__file__).resolve().parent.parent / "fixtures"]
     for path in candidates:
         if (path / "models" / "ja-target" / "config.json").exists():
             return path
     raise XTokSpecError(
-        "bundled fixture models not found: run from the xtokspec checkout (fixtures/models/...) or set "
-        "XTOKSPEC_FIXTURES to its fixtures/ folder"
+        f"bundled fixture models not found in {candidates[0]}: this xtokspec was installed without its package "
+        "data (xtokspec/fixtures/); reinstall it, or set XTOKSPEC_FIXTURES to a folder holding models/ja-target"
     )
 
 
