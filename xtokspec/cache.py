@@ -31,6 +31,7 @@ from .kv import (
     StaticKV,
     buffer_capacity,
     cache_keyword,
+    dynamic_cache,
     input_device,
     sliding_layers,
     takes_tree_masks,
@@ -93,14 +94,16 @@ class ModelState:
 
     def forward(self, keep: int) -> torch.Tensor:
         """Feed ids[cached:] and return the logits (keep, V) of the last `keep` of them."""
-        if self.cached >= len(self.ids):  # all ids cached (e.g. after a rollback): recompute the last one
+        cached = self.cached
+        if cached >= len(self.ids):  # all ids cached (e.g. after a rollback): recompute the last one
             self._rollback(len(self.ids) - 1)
-        new = self.ids[self.cached :]
+            cached = self.cached
+        new = self.ids[cached:]
         if not 1 <= keep <= len(new):
             raise RuntimeError(f"forward over {len(new)} new ids cannot keep {keep} logits")
         if len(self.ids) > self.capacity:
             raise RuntimeError(f"{len(self.ids)} ids exceed the cache's {self.capacity} positions")
-        bucket = self._bucket(len(new))
+        bucket = self._bucket(len(new), cached) if self.step is not None else None
         if bucket:
             padded = to_device([new + [PAD_ID] * (bucket - len(new))], self.device)
             return self._run_step(padded, len(new))[len(new) - keep :]  # (keep, V)
@@ -137,9 +140,10 @@ class ModelState:
 
         They are not in `ids` yet: the caller appends them with `ids.extend` once it has them on the host
         (until then `cached` runs ahead of `ids`, which `forward` and `truncate` must not see)."""
-        if self.cached + tokens.shape[1] > self.capacity:
-            raise RuntimeError(f"{self.cached + tokens.shape[1]} ids exceed the cache's {self.capacity} positions")
-        if self._bucket(tokens.shape[1]) == tokens.shape[1]:
+        cached = self.cached
+        if cached + tokens.shape[1] > self.capacity:
+            raise RuntimeError(f"{cached + tokens.shape[1]} ids exceed the cache's {self.capacity} positions")
+        if self.step is not None and self._bucket(tokens.shape[1], cached) == tokens.shape[1]:
             return self._run_step(tokens, tokens.shape[1])
         out = self._forward(self.model, tokens)
         self.kv.advance(tokens.shape[1])
@@ -348,7 +352,7 @@ class ModelState:
 
     def branches(self, rows: int) -> DynamicCache:
         """A DynamicCache with the cached positions repeated over `rows` batch rows (for tree drafting)."""
-        cache = DynamicCache(config=self.model.config)
+        cache = dynamic_cache(self.model)
         n = self.cached
         for layer_idx, (keys, values) in enumerate(self.kv.layer_tensors()):
             cache.update(keys[:, :, :n].repeat(rows, 1, 1, 1), values[:, :, :n].repeat(rows, 1, 1, 1), layer_idx)

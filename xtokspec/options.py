@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import warnings
 
@@ -110,7 +111,12 @@ def proposal_kind(same_vocab: bool, params: SamplingParams, proposal: str, tree_
 
 
 def keyword_only(function) -> tuple[str, ...]:
-    """The keyword-only parameter names of `function`, in order."""
+    """The keyword-only parameter names of `function` (a bound method counts as its function), in order."""
+    return _keyword_only(getattr(function, "__func__", function))
+
+
+@functools.lru_cache(maxsize=32)
+def _keyword_only(function) -> tuple[str, ...]:  # NOTE: cached: every generate checks its keywords against it
     return tuple(name for name, parameter in inspect.signature(function).parameters.items()
                  if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
 
