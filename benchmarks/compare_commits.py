@@ -303,7 +303,7 @@ def compare(workers: dict, prompts: list[str], args) -> list[dict]:
     groups = []
     pair = 0
     for system in SYSTEMS:
-        for mode in MODES:
+        for mode in args.modes:
             rows = []
             for index, prompt in enumerate(prompts):
                 seed = args.seed + index
@@ -389,7 +389,8 @@ def controller_main(args) -> int:
                   f"{hello['new']['threads']} (new); transformers {hello['old']['transformers']}; "
                   f"python {hello['old']['python']}",
                   f"preset {args.preset} ({args.dtype}); SpecConfig({', '.join(f'{k}={v}' for k, v in config.items())}); "
-                  f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.repeats} repeat(s), ABBA order"]
+                  f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {args.repeats} repeat(s), ABBA order; "
+                  f"modes {', '.join(args.modes)}"]
         for label, tree in (("old", old), ("new", new)):
             header.append(f"{label}: {tree} [{git_describe(tree)}] imports {hello[label]['xtokspec_file']}")
         for label in ("old", "new"):
@@ -457,6 +458,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fixed-k", type=int, default=0, metavar="K",
                         help="draft K tokens every cycle (SpecConfig(adaptive=False, num_draft_tokens=K)); "
                              "default 0: the adaptive draft length")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the decoding modes measured (both systems run each)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i's sampled runs use seed SEED + i")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the models' dtype")

@@ -76,8 +76,10 @@ def main() -> None:
         lines = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
         prompts = [p for p in lines if p][: args.prompts]
     warpers = sampling.build_warpers(SamplingParams(do_sample=True, temperature=args.temperature))
-    first_pieces, groups = spec.first_pieces, spec.root_groups()
-    token_map = spec.draft_to_target(torch.device("cpu"))
+    maps = spec.vocab_maps
+    first_pieces = maps.first_pieces
+    groups = maps.root_groups(spec.same_vocab, spec.target_model.config.vocab_size, spec.draft_model.config.vocab_size)
+    token_map = maps.draft_to_target(torch.device("cpu"))
     target_vocab = spec.target_model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows = []

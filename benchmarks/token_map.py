@@ -69,7 +69,7 @@ def main() -> None:
     prompts = prompts[: args.prompts]
 
     spec = XTokSpec(models.target, models.draft_cross)
-    token_map = spec.token_map
+    token_map = spec.vocab_maps.token_map
     ours = torch.tensor(token_map.draft_to_target)
     target_regular = [i for i, b in enumerate(spec.target.token_bytes) if b]
     hf = AssistantToTargetTranslator(t_tok, d_tok, t_model.config.vocab_size)

@@ -21,9 +21,9 @@ import math
 import torch
 
 from . import sampling
-from .bridge import TextSync
+from .bridge import TextSync, build_token_map
 from .cache import ModelState
-from .codec import byte_ends
+from .codec import TokenCodec, byte_ends
 
 
 def resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
@@ -206,3 +206,50 @@ class Switching:
         ]).tolist()
         self.chooser.update(onehot, intersection, accepted)
         return self.chooser.scores()
+
+
+class VocabMaps:
+    """The maps between the two vocabularies that the mappers and a sampled tree root need, each built on first
+    use and kept for the XTokSpec's life (they depend on the tokenizers only)."""
+
+    def __init__(self, target: TokenCodec, draft: TokenCodec, target_eos: set[int], draft_eos: set[int]):
+        self.target, self.draft, self.target_eos, self.draft_eos = target, draft, target_eos, draft_eos
+        self._token_map = None
+        self._first_pieces = None
+        self._draft_to_target: dict[torch.device, torch.Tensor] = {}  # the token map as a tensor, per device
+
+    @property
+    def token_map(self):
+        """Byte-normalized draft -> target token map (bridge.TokenMap)."""
+        if self._token_map is None:
+            pairs = [(d, min(self.target_eos)) for d in self.draft_eos] if self.target_eos else []
+            self._token_map = build_token_map(self.draft, self.target, pairs)
+        return self._token_map
+
+    @property
+    def first_pieces(self) -> torch.Tensor:
+        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (one batched encode: ~2 s
+        for a 262k vocabulary)."""
+        if self._first_pieces is None:
+            self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
+        return self._first_pieces
+
+    def root_groups(self, same_vocab: bool, target_vocab: int, draft_vocab: int) -> torch.Tensor:
+        """(Vd,) draft id -> the target id a tree root's candidate drawn as that draft id stands for: the same id
+        for one tokenizer, else the first target token of its text (`first_pieces`), the target's EOS for the
+        draft's; -1 where none (SpecConfig.tree_root="sampled")."""
+        if same_vocab:
+            groups = torch.arange(draft_vocab)
+            return torch.where(groups < target_vocab, groups, -1)
+        groups = self.first_pieces.clone()
+        if self.target_eos:
+            groups[[d for d in self.draft_eos if d < draft_vocab]] = min(self.target_eos)
+        return groups
+
+    def draft_to_target(self, device: torch.device) -> torch.Tensor:
+        """(Vd,) the token map (draft id -> target id with the same bytes, -1 where none) on `device`, built once
+        per device (~50 ms from the list for a 262k vocabulary, which every sampled call needs)."""
+        device = torch.device(device)
+        if device not in self._draft_to_target:
+            self._draft_to_target[device] = torch.tensor(self.token_map.draft_to_target, device=device)
+        return self._draft_to_target[device]

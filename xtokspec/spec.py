@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from . import chat, loop, options, sampling
-from .bridge import TextSync, build_token_map
+from .bridge import TextSync
 from .cache import ModelState
 from .codec import TokenCodec
 from .compile import CompiledStep, warmup_plan
 from .kv import choose_backend, context_limit, input_device, sliding_layers, takes_tree_masks
-from .mapping import IntersectionMap, SameVocab, Switching, TextBridge
+from .mapping import IntersectionMap, SameVocab, Switching, TextBridge, VocabMaps
 from .models import (
     DraftVocab,
     check_source,
@@ -70,9 +70,7 @@ class XTokSpec:
         self.target_eos = eos_ids(self.target_model, self.target_tokenizer)
         self.draft_eos = eos_ids(self.draft_model, self.draft_tokenizer)
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
-        self._token_map = None
-        self._first_pieces = None
-        self._draft_to_target: dict[torch.device, torch.Tensor] = {}  # the token map as a tensor, per device
+        self.vocab_maps = VocabMaps(self.target, self.draft, self.target_eos, self.draft_eos)
         self._full_draft_model = self.draft_model  # trim_draft_vocab replaces draft_model by a view of this
         self.draft_vocab: DraftVocab | None = None
         self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
@@ -250,44 +248,6 @@ class XTokSpec:
         # NOTE: no clean-up: it deletes spaces before punctuation, and the text must be the tokens' own
         return self.target_tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    @property
-    def token_map(self):
-        """Byte-normalized draft -> target token map (built on first use)."""
-        if self._token_map is None:
-            pairs = [(d, min(self.target_eos)) for d in self.draft_eos] if self.target_eos else []
-            self._token_map = build_token_map(self.draft, self.target, pairs)
-        return self._token_map
-
-    @property
-    def first_pieces(self) -> torch.Tensor:
-        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (built on first use,
-        one batched encode: ~2 s for a 262k vocabulary)."""
-        if self._first_pieces is None:
-            self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
-        return self._first_pieces
-
-    def root_groups(self) -> torch.Tensor:
-        """(Vd,) draft id -> the target id a tree root's candidate drawn as that draft id stands for: the same id
-        for one tokenizer, else the first target token of its text (`first_pieces`), the target's EOS for the
-        draft's; -1 where none (SpecConfig.tree_root="sampled")."""
-        target_vocab = self.target_model.config.vocab_size
-        size = self.draft_model.config.vocab_size
-        if self.same_vocab:
-            groups = torch.arange(size)
-            return torch.where(groups < target_vocab, groups, -1)
-        groups = self.first_pieces.clone()
-        if self.target_eos:
-            groups[[d for d in self.draft_eos if d < size]] = min(self.target_eos)
-        return groups
-
-    def draft_to_target(self, device: torch.device) -> torch.Tensor:
-        """(Vd,) the token map (draft id -> target id with the same bytes, -1 where none) on `device`, built once
-        per device (~50 ms from the list for a 262k vocabulary, which every sampled call needs)."""
-        device = torch.device(device)
-        if device not in self._draft_to_target:
-            self._draft_to_target[device] = torch.tensor(self.token_map.draft_to_target, device=device)
-        return self._draft_to_target[device]
-
     # ---------------------------------------------------------------- one generation
     def _cycles(self, prompt, max_new_tokens, stats, *, messages=None, do_sample=None, temperature=None, top_k=None,
                 top_p=None, seed=None, **kwargs) -> Iterator[list[int]]:
@@ -359,9 +319,11 @@ class XTokSpec:
         draft_device = input_device(self.draft_model)
         if config.tree_width > 1:
             groups = params.do_sample and config.tree_root == "sampled"
+            roots = (self.vocab_maps.root_groups(self.same_vocab, target_vocab, self.draft_model.config.vocab_size)
+                     .to(draft_device) if groups else None)
             proposer = TreeProposer(config.tree_width, self.draft_eos, self.draft.token_bytes, budget, target,
-                                    target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen,
-                                    self.root_groups().to(draft_device) if groups else None, target_vocab)
+                                    target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen, roots,
+                                    target_vocab)
         else:
             proposer = ChainProposer(self.draft_eos, warpers, draft_gen, config.draft_confidence)
         draft_limit = min(context_limit(self.draft_model) or 1 << 30, draft.capacity, config.draft_context or 1 << 30)
@@ -385,13 +347,14 @@ class XTokSpec:
         if kind in ("greedy-bridge", "onehot"):
             return bridge
         draft_device = input_device(self.draft_model)
-        intersection = IntersectionMap(bridge, self.draft_to_target(draft_device), target_vocab, logits_device)
+        intersection = IntersectionMap(bridge, self.vocab_maps.draft_to_target(draft_device), target_vocab, logits_device)
         if kind == "intersection":
             return intersection
         # "auto": one-hot or intersection, chosen each cycle; the chooser scores on the target's logits device
-        start = "intersection" if self.token_map.mapped_draft_share >= config.min_mapped_mass else "onehot"
-        return Switching(bridge, intersection, ProposalChooser(start), self.first_pieces.to(logits_device),
-                         self.draft_to_target(logits_device))
+        maps = self.vocab_maps
+        start = "intersection" if maps.token_map.mapped_draft_share >= config.min_mapped_mass else "onehot"
+        return Switching(bridge, intersection, ProposalChooser(start), maps.first_pieces.to(logits_device),
+                         maps.draft_to_target(logits_device))
 
     # ---------------------------------------------------------------- caches
     def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int, tree_nodes: int = 0) -> ModelState:
