@@ -61,7 +61,7 @@ def _build_and_install(tmp: Path) -> Path:
 def installed(tmp_path_factory) -> tuple[Path, Path | None]:
     """(the installed xtokspec package folder, the folder to put on sys.path or None for the environment's)."""
     package = Path(importlib.util.find_spec("xtokspec").origin).resolve().parent
-    if not package.is_relative_to(ROOT):  # a wheel installed in this environment (tox)
+    if package != ROOT / "xtokspec":  # a wheel installed in this environment (tox's, under .tox/)
         return package, None
     site = _build_and_install(tmp_path_factory.mktemp("wheel"))
     return site / "xtokspec", site
