@@ -177,7 +177,11 @@ def test_tree_cache_and_compile_options_reach_the_config(no_models):
     (config,) = no_models.configs
     assert (config.tree_width, config.cache, config.compile) == (4, "static", True)
     assert main(["generate", "東京"]) == 0  # the defaults are SpecConfig's
-    assert (no_models.configs[-1].tree_width, no_models.configs[-1].cache, no_models.configs[-1].compile) == (1, "auto", False)
+    assert (no_models.configs[-1].tree_width, no_models.configs[-1].cache, no_models.configs[-1].compile) == (1, "auto", "auto")
+    for word, value in [("graphs", "graphs"), ("inductor", "inductor"), ("off", False), ("auto", "auto")]:
+        assert main(["generate", "東京", "--compile", word]) == 0
+        compile_ = no_models.configs[-1].compile
+        assert compile_ == value and type(compile_) is type(value), (word, compile_)
 
 
 def test_prompt_from_stdin_and_from_a_file(no_models, monkeypatch, tmp_path):

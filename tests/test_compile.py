@@ -1,11 +1,14 @@
-"""SpecConfig(compile=True): short forwards padded to fixed lengths and run through torch.compile, on the
-static cache. Lossless like every backend: the padding's cache positions are rolled back, and the compiled
-model computes what the eager one does (greedy ids equal the target's own generate)."""
+"""SpecConfig(compile=...): short forwards padded to fixed lengths and captured, on the static cache: recorded as
+CUDA graphs ("graphs"; "auto", the default, on a GPU) or run through torch.compile ("inductor", or True). Lossless
+like every backend: the padding's cache positions are rolled back, and the captured model computes what the eager
+one does (greedy ids equal the target's own generate). Capturing itself needs CUDA (tests/test_gpu.py); here the
+choice of path, its fallbacks and what GraphedStep feeds a graph are tested."""
 
 from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from model_helpers import tiny_llama, tiny_neox
 from policies import scripted
 
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.compile import COMPILE_BUCKETS
+from xtokspec.compile import COMPILE_BUCKETS, CompiledStep, GraphCaptureError, GraphedStep, choose_step
 
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
 
@@ -31,8 +34,6 @@ def test_compile_needs_the_static_cache(tiny_target, bpe_tokenizer):
     model whose layers cannot use the static cache, when the backend is chosen."""
     with pytest.raises(XTokSpecError, match="compile=True needs the static cache"):
         SpecConfig(compile=True, cache="dynamic")
-    with pytest.raises(XTokSpecError, match="compile must be True or False"):
-        SpecConfig(compile="yes")
     from xtokspec.kv import choose_backend
 
     target = tiny_target[0]
@@ -275,3 +276,235 @@ def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokeni
         logits = again.forward(keep=3)
         fresh = model(input_ids=torch.tensor([[9, 10, 11]])).logits[0]
     torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- CUDA graphs: the choice of path
+
+
+@pytest.mark.parametrize("value", ["auto", "graphs", "inductor", True, False])
+def test_compile_takes_its_choices(value):
+    assert SpecConfig(compile=value).compile is value or SpecConfig(compile=value).compile == value
+    assert SpecConfig().compile == "auto"  # the default
+
+
+@pytest.mark.parametrize("value", ["yes", "cuda-graphs", 1, 0, None, "Graphs"])
+def test_compile_refuses_other_values_naming_the_choices(value):
+    with pytest.raises(XTokSpecError, match=r"compile must be 'auto' .*'graphs', 'inductor' .*False"):
+        SpecConfig(compile=value)
+
+
+def test_graphs_and_inductor_need_the_static_cache_auto_does_not():
+    for value in ("graphs", "inductor", True):
+        with pytest.raises(XTokSpecError, match=f"compile={value!r} needs the static cache"):
+            SpecConfig(compile=value, cache="dynamic")
+    assert SpecConfig(compile="auto", cache="dynamic").cache == "dynamic"  # eager with the cache asked for
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The choice of path as for a model on a CUDA device: where compile.py looks for the model's device. Nothing
+    runs on it (GraphedStep's constructor touches no device; no capture happens in these tests)."""
+    import xtokspec.compile
+
+    monkeypatch.setattr(xtokspec.compile, "input_device", lambda model: torch.device("cuda", 0))
+
+
+def _no_warnings():
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.simplefilter("error")
+    return context
+
+
+def test_the_path_each_option_takes_on_the_cpu(tiny_target, eager_compile):
+    model = tiny_target[0]
+    context = _no_warnings()
+    try:
+        assert choose_step(model, "auto") is None  # the CPU: eager, without a word
+        assert choose_step(model, False) is None
+        assert isinstance(choose_step(model, True), CompiledStep)
+        assert isinstance(choose_step(model, "inductor"), CompiledStep)
+    finally:
+        context.__exit__(None, None, None)
+    with pytest.warns(UserWarning, match="the draft's steps run eagerly, without CUDA graphs: its inputs are on cpu, "
+                                         "not a CUDA device"):
+        assert choose_step(model, "graphs", role="draft") is None
+
+
+def test_the_path_each_option_takes_on_cuda(tiny_target, on_cuda, eager_compile):
+    model = tiny_target[0]
+    context = _no_warnings()
+    try:
+        assert isinstance(choose_step(model, "auto", role="target"), GraphedStep)
+        assert isinstance(choose_step(model, "graphs", "static"), GraphedStep)
+        assert isinstance(choose_step(model, True), CompiledStep)
+        assert choose_step(model, False) is None
+        assert choose_step(model, "auto", "dynamic") is None  # the dynamic cache asked for: eager, quietly
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("compile", ["auto", "graphs"])
+def test_models_that_cannot_be_captured_run_eagerly_with_a_warning_naming_why(compile, tiny_target, on_cuda):
+    model = tiny_target[0]
+    saved = dict(model.config.__dict__)
+    try:
+        model.config.sliding_window, model.config.use_sliding_window = 4, True
+        with pytest.warns(UserWarning, match=r"the target's steps run eagerly, without CUDA graphs: it has "
+                                             r"\['sliding_attention'\] layers"):
+            assert choose_step(model, compile, role="target") is None
+        model.config.__dict__.clear()
+        model.config.__dict__.update(saved)
+        model.config._attn_implementation = "flash_attention_2"
+        with pytest.warns(UserWarning, match="its attention 'flash_attention_2' does not take the step's explicit mask"):
+            assert choose_step(model, compile, role="target") is None
+    finally:
+        model.config.__dict__.clear()
+        model.config.__dict__.update(saved)
+
+
+def test_the_default_on_the_cpu_is_todays_eager_dynamic_path(tiny_target, bpe_tokenizer):
+    """"auto" on the CPU changes nothing: the dynamic cache, eager forwards, nothing recorded or compiled."""
+    context = _no_warnings()
+    try:
+        spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer))
+        result = spec.generate(PROMPTS[0], max_new_tokens=12)
+        assert spec.warmup(PROMPTS[0], max_new_tokens=12) == 0
+    finally:
+        context.__exit__(None, None, None)
+    assert result.stats.cache == "dynamic/dynamic" and result.stats.capture_seconds == 0
+    assert result.token_ids == target_ids(tiny_target, PROMPTS[0], 12)
+    assert spec._steps == {id(spec.target_model): None, id(spec.draft_model): None} and spec.capture_seconds == 0
+
+
+def test_graphs_asked_for_on_the_cpu_warn_and_run_eagerly(tiny_target, bpe_tokenizer):
+    spec = XTokSpec(tiny_target, (tiny_neox(bpe_tokenizer), bpe_tokenizer), config=SpecConfig(compile="graphs"))
+    with pytest.warns(UserWarning, match="steps run eagerly, without CUDA graphs: its inputs are on cpu"):
+        result = spec.generate(PROMPTS[1], max_new_tokens=12)
+    assert result.stats.cache == "dynamic/dynamic"  # as compile=False (and "auto") have it on the CPU
+    assert result.token_ids == target_ids(tiny_target, PROMPTS[1], 12)
+
+
+def test_cli_compile_words():
+    from xtokspec.cli import build_parser
+
+    parser = build_parser()
+    parsed = {word: parser.parse_args(["generate", "東京", "--compile", word]).compile
+              for word in ("auto", "graphs", "inductor", "off")}
+    assert parsed == {"auto": "auto", "graphs": "graphs", "inductor": "inductor", "off": False}
+    assert parsed["off"] is False
+    assert parser.parse_args(["generate", "東京"]).compile == "auto"
+    assert parser.parse_args(["generate", "東京", "--compile"]).compile is True  # bare: torch.compile, as before
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "東京", "--compile", "cuda"])
+
+
+# ---------------------------------------------------------------- CUDA graphs: what a graph is fed, on the CPU
+
+
+@pytest.fixture
+def uncaptured(monkeypatch, caplog):
+    """GraphedStep on the CPU with its recorder replaced by one that captures nothing: each "replay" runs the
+    forward eagerly over the graph's input buffers. Everything around the capture runs as on CUDA (which model
+    gets a step, the input buffers and their copies, the in-graph causal mask and positions, graphs keyed by
+    cache and shape, the move's indices, the log lines); the capture and replay themselves are tests/test_gpu.py's."""
+    import xtokspec.compile
+
+    recorded = []
+
+    def record(step, run, restore):
+        recorded.append(step.role)
+        return run
+
+    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(GraphedStep, "_record", record)
+    caplog.set_level(logging.INFO, logger="xtokspec")
+    return recorded
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_graphed_steps_are_lossless_and_reused_across_prompts(tree_width, uncaptured, sp_tokenizer, bpe_tokenizer,
+                                                               caplog):
+    target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
+    draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)
+    spec = XTokSpec(target, draft, config=SpecConfig(compile="graphs", adaptive=False, num_draft_tokens=3,
+                                                     tree_width=tree_width))
+    shapes = spec.warmup(max(PROMPTS, key=len), max_new_tokens=24, progress=False)
+    steps = [spec._steps[id(model)] for model in (spec.target_model, spec.draft_model)]
+    assert all(isinstance(step, GraphedStep) for step in steps)
+    graphs = {id(step): dict(step.graphs) for step in steps}
+    assert len(uncaptured) == sum(len(g) for g in graphs.values()) == shapes  # one recording per shape
+    assert any("warmup: " in r.getMessage() and " ready in " in r.getMessage() for r in caplog.records)
+    assert spec.capture_seconds > 0
+    caplog.clear()
+    for prompt in PROMPTS:
+        result = spec.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == target_ids(target, prompt, 24), prompt
+        assert result.stats.cache == "static/static+graphs" and result.stats.capture_seconds == 0
+    # the same graphs, with the same input buffers, served every prompt: nothing recorded after the warm-up
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("capturing ")]
+    assert len(uncaptured) == shapes
+    for step in steps:
+        assert step.graphs.keys() == graphs[id(step)].keys()
+        assert all(step.graphs[key][0] is graphs[id(step)][key][0] for key in step.graphs)
+    if tree_width > 1:
+        assert any(shape[2] == "move" for shape in steps[0].shapes)  # keep_path's moves went through the step
+        assert any(shape[2] is True for shape in steps[1].shapes)  # the draft's beam levels too
+
+
+def test_a_larger_cache_gets_its_own_graphs_and_old_ones_are_let_go(uncaptured, sp_tokenizer):
+    """A graph writes into the buffers it was recorded with: a cache too small for a generation is replaced by a
+    larger one, which gets graphs of its own (keyed by the cache); past two caches the oldest one's graphs are
+    dropped, and with them their hold on its buffers. A cache taken over by the next generation keeps its graphs."""
+    from xtokspec.cache import ModelState
+
+    model = tiny_llama(sp_tokenizer, seed=3, max_positions=2048)
+    step = GraphedStep(model, "target")
+    kv = None
+    with torch.inference_mode():
+        for capacity in (64, 64, 300, 600):  # buffers of 256 (twice: taken over), 384 and 768 positions
+            state = ModelState(model, [5, 6, 7], "static", capacity, step, reuse=kv)
+            state.forward(keep=1)
+            state.ids.append(8)
+            state.forward(keep=1)
+            kv = state.kv
+            assert step.caches[-1] == kv.cache.layers[0].keys.data_ptr()
+    assert len(uncaptured) == 3 and len(step.caches) == GraphedStep.KEPT_CACHES == 2
+    assert {key[0] for key in step.graphs} == set(step.caches) and len(step.graphs) == 2
+
+
+def test_a_failed_capture_runs_eagerly_with_a_warning(monkeypatch, sp_tokenizer, bpe_tokenizer):
+    import xtokspec.compile
+
+    def refuse(step, run, restore):
+        raise GraphCaptureError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(GraphedStep, "_record", refuse)
+    target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
+    spec = XTokSpec(target, (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer), config=SpecConfig(compile="graphs"))
+    with pytest.warns(UserWarning, match="steps run eagerly from now on, without CUDA graphs: recording the .* failed: "
+                                         "operation not permitted when stream is capturing"):
+        result = spec.generate(PROMPTS[2], max_new_tokens=16)
+    assert result.token_ids == target_ids(target, PROMPTS[2], 16)
+    assert all(spec._steps[id(m)].eager_reason for m in (spec.target_model, spec.draft_model))
+    assert all(not spec._steps[id(m)].graphs for m in (spec.target_model, spec.draft_model))
+
+
+def test_a_chain_steps_mask_and_positions_come_from_the_caches_length(uncaptured, sp_tokenizer):
+    """A graph cannot take the cache's length from the host: a chain step's causal mask and positions are made
+    on the device from the cache's own length tensor, so one recorded step serves every position."""
+    from xtokspec.cache import ModelState
+
+    model = tiny_llama(sp_tokenizer, seed=3)
+    step = GraphedStep(model, "target")
+    with torch.inference_mode():
+        state = ModelState(model, [5, 6, 7], "static", 64, step)
+        state.forward(keep=1)  # the prefill: eager
+        got = []
+        for new in ([8, 9, 10], [11], [12, 13, 14]):  # buckets 4, 1, 4: the 4-id graph serves two positions
+            state.ids.extend(new)
+            got.append(state.forward(keep=len(new)))
+        eager = model(input_ids=torch.tensor([state.ids])).logits[0]
+    torch.testing.assert_close(torch.cat(got), eager[3:], rtol=1e-4, atol=1e-4)
+    assert sorted(shape[0] for shape in step.shapes) == [1, 4] and len(uncaptured) == 2

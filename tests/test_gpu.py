@@ -1,5 +1,7 @@
-"""Placement and host syncs on a GPU (skipped without one): models on different devices, a target with
-device_map="auto", and the greedy path's transfers to the host per cycle (CUDA's sync debug mode counts them)."""
+"""Placement, captured steps and host syncs on a GPU (skipped without one): models on different devices, a target
+with device_map="auto", CUDA graphs (the default there) and torch.compile against the target's own generate, a
+chi-square case under CUDA graphs with its control, and the greedy path's transfers to the host per cycle (CUDA's
+sync debug mode counts them)."""
 
 from __future__ import annotations
 
@@ -50,12 +52,17 @@ def test_target_with_device_map_auto():
     assert spec.generate(PROMPTS[1], max_new_tokens=32).token_ids == target_ids(target, PROMPTS[1], 32)
 
 
-def test_greedy_cycle_makes_two_host_transfers():
+@pytest.mark.parametrize("compile", [False, "auto"], ids=["eager", "graphs"])
+def test_greedy_cycle_makes_two_host_transfers(compile):
     """The drafted ids once (for the bridge) and the verdict once per cycle; CUDA's sync debug mode warns at each
     sync. Counted as the difference between a long and a short generation, so that the prompt's own transfers
-    (encoding, prefill, the first draft) cancel out."""
+    (encoding, prefill, the first draft) cancel out. With CUDA graphs (the default) too: a replay, its inputs'
+    copies and the padding's rollback make the host wait for nothing (every shape recorded first: a capture
+    synchronises)."""
     spec = XTokSpec(load("ja-target", "cuda"), load("ja-draft-same", "cuda"),
-                    config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4))
+                    config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4, compile=compile))
+    if compile:
+        assert spec.warmup(PROMPTS[1], max_new_tokens=64, progress=False) > 0
     spec.generate(PROMPTS[1], max_new_tokens=8)  # warm-up
 
     def syncs_and_cycles(n: int) -> tuple[int, int]:
@@ -69,25 +76,91 @@ def test_greedy_cycle_makes_two_host_transfers():
         return sum("synchroniz" in str(w.message) for w in caught), result.stats.target_forwards
 
     (short, short_cycles), (long, long_cycles) = syncs_and_cycles(8), syncs_and_cycles(64)
-    print(f"{short} syncs in {short_cycles} cycles, {long} in {long_cycles}")
+    print(f"{compile=}: {short} syncs in {short_cycles} cycles, {long} in {long_cycles}")
+    assert spec.generate(PROMPTS[1], max_new_tokens=8).stats.cache.endswith("+graphs") == bool(compile)
     assert long_cycles >= short_cycles + 10, "the fixture target stopped early: the count needs more cycles"
     assert (long - short) <= 2 * (long_cycles - short_cycles), f"{long - short} syncs for {long_cycles - short_cycles} cycles"
 
 
-@pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4),
-                                     dict(tree_width=4, compile=True, cache="static")],
-                         ids=["compiled", "tree4", "compiled-tree4"])
+@pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4, compile=False),
+                                     dict(tree_width=4, compile=True, cache="static"), dict(),
+                                     dict(tree_width=4), dict(compile="graphs", draft="ja-draft-same")],
+                         ids=["compiled", "eager-tree4", "compiled-tree4", "graphs", "graphs-tree4", "graphs-same"])
 def test_greedy_is_lossless_on_cuda_with(options, caplog):
-    """CUDA graphs (padded buckets, replayed outputs), tree-masked verification and draft levels, and both (tree
-    steps captured), against the target's generate. Compiled: warmed up first (graphs recorded by `warmup`),
-    after which no generation compiles."""
+    """torch.compile's CUDA graphs and xtokspec's own (the default on CUDA: padded buckets, replayed outputs),
+    tree-masked verification and draft levels, and both (tree steps captured), against the target's generate.
+    Captured: warmed up first (every shape recorded or compiled by `warmup`), after which no generation records
+    or compiles anything."""
     import logging
 
+    options = dict(options)
+    draft = options.pop("draft", "ja-draft-bpe")
     target = load("ja-target", "cuda")
-    spec = XTokSpec(target, load("ja-draft-bpe", "cuda"), config=SpecConfig(**options))
-    if options.get("compile"):
-        assert spec.warmup(max(PROMPTS, key=len), max_new_tokens=32, progress=False) > 0
+    spec = XTokSpec(target, load(draft, "cuda"), config=SpecConfig(**options))
     caplog.set_level(logging.INFO, logger="xtokspec")
+    graphs = options.get("compile", "auto") in ("auto", "graphs")
+    if options.get("compile", "auto"):
+        assert spec.warmup(max(PROMPTS, key=len), max_new_tokens=32, progress=False) > 0
+        print(f"{options}: warmup {spec.capture_seconds:.2f} s;",
+              [r.getMessage() for r in caplog.records if r.getMessage().startswith("warmup")])
+    caplog.clear()
     for prompt in PROMPTS:
-        assert spec.generate(prompt, max_new_tokens=32).token_ids == target_ids(target, prompt, 32), prompt
-    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling ")]
+        result = spec.generate(prompt, max_new_tokens=32)
+        assert result.token_ids == target_ids(target, prompt, 32), prompt
+        assert result.stats.cache.endswith("+graphs") == graphs and result.stats.capture_seconds == 0, result.stats.cache
+    new = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("compiling ", "capturing "))]
+    assert not new, new
+
+
+def test_cuda_graphs_by_default_and_what_the_first_generate_spends_recording(caplog):
+    """The default configuration records CUDA graphs on a GPU, in the first generation that meets each shape:
+    its stats say how long that took, and a later generation of the same size records nothing."""
+    import logging
+    import time
+
+    target = load("ja-target", "cuda")
+    spec = XTokSpec(target, load("ja-draft-bpe", "cuda"))
+    caplog.set_level(logging.INFO, logger="xtokspec")
+    start = time.perf_counter()
+    first = spec.generate(PROMPTS[0], max_new_tokens=32)
+    wall = time.perf_counter() - start
+    second = spec.generate(PROMPTS[0], max_new_tokens=32)
+    captured = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured ")]
+    print(f"first generate {wall:.2f} s, of which {first.stats.capture_seconds:.2f} s recording {len(captured)} "
+          f"graphs; second {second.stats.wall_seconds:.2f} s")
+    assert first.stats.cache == "static/static+graphs" and first.token_ids == target_ids(target, PROMPTS[0], 32)
+    assert first.stats.capture_seconds > 0 and captured and second.stats.capture_seconds == 0
+    assert second.token_ids == first.token_ids
+    steps = [spec._steps[id(m)] for m in (spec.target_model, spec.draft_model)]
+    assert all(step.eager_reason is None and step.graphs for step in steps), [s.eager_reason for s in steps]
+
+
+def test_sampling_under_cuda_graphs_matches_target(monkeypatch):
+    """A chi-square case on CUDA under CUDA graphs (the default there), with its negative control: the static
+    intersection case of tests/test_stats.py (its prompt, setting, run count and its sized control), its models
+    on the GPU and every short forward a replay."""
+    import test_stats as st
+
+    from xtokspec import sampling
+
+    case = st.STATIC_INTERSECTION
+    _, path, setting = case
+    target, draft = load("ja-target", "cuda"), load("ja-draft-bpe", "cuda")
+    spec = XTokSpec(target, draft, config=SpecConfig(cache="static"))
+    params = spec.sampling_params(do_sample=True, **st.SETTINGS[setting])
+    prompt = st.PROMPTS[path, setting]
+    assert spec.generate(prompt, max_new_tokens=2).stats.cache == "static/static+graphs"
+    exact = st.exact_continuations(*target, prompt, params, st.LENGTH, spec.target_eos)
+    samples, deep_share = st.sample_continuations(spec, st.SETTINGS[setting], path, prompt, st.N_E2E)
+    assert deep_share >= st.MIN_DEEP_SHARE, f"only {deep_share:.0%} of runs accepted 2 proposals in one cycle"
+    result = st.reference.assert_samples_match(samples, exact, st.ALPHA, f"graphs {path} {setting}")
+    report = [f"graphs {path} {setting} (N={st.N_E2E}): p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
+    for flaw, where in st.CASE_CONTROLS[case]:
+        with monkeypatch.context() as patch:
+            for name, flawed in st.FLAWS[flaw](where).items():
+                patch.setattr(sampling, name, flawed)
+            control, runs = st.run_control(
+                f"{'-'.join(case)} {flaw} {where}", exact, f"{flaw}, flawed at the {where} proposal",
+                lambda start, n: st.sample_continuations(spec, st.SETTINGS[setting], path, prompt, n, start)[0])
+        report.append(f"{flaw} {where}-position control p={control.pvalue:.3g} (N={runs})")
+    print("; ".join(report))

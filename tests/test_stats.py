@@ -399,7 +399,8 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 
         if backend == "compile":
             monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
-        config = SpecConfig(compile=True) if backend == "compile" else SpecConfig(cache=backend)
+        # compile=False: the static case is the eager one on CUDA too (its CUDA-graph twin: tests/test_gpu.py)
+        config = SpecConfig(compile=True) if backend == "compile" else SpecConfig(cache=backend, compile=False)
         spec = XTokSpec((spec.target_model, spec.target_tokenizer), (spec.draft_model, spec.draft_tokenizer),
                         config=config)
     proposal = "onehot" if path == "same-tokenizer" else path
@@ -497,7 +498,7 @@ def tree_spec(base, backend: str, root: str):
     from xtokspec import SpecConfig, XTokSpec
 
     return XTokSpec((base.target_model, base.target_tokenizer), (base.draft_model, base.draft_tokenizer),
-                    config=SpecConfig(cache=backend, tree_width=TREE_WIDTH, tree_root=root))
+                    config=SpecConfig(cache=backend, compile=False, tree_width=TREE_WIDTH, tree_root=root))
 
 
 @pytest.mark.stats

@@ -256,7 +256,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
         print(spec_trim.trim_draft_vocab(calibration or calibration_texts(), draft_vocab).describe(), flush=True)
     spec_static = {} if compile else {  # compiled systems are on the static cache already
-        key: XTokSpec(models.target, pair, config=SpecConfig(cache="static"))
+        key: XTokSpec(models.target, pair, config=SpecConfig(cache="static", compile=compile))  # eager, as the others
         for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     counters = {"target": Counter(), "draft": Counter()}
     handles = [t_model.register_forward_hook(counters["target"].hook, with_kwargs=True)]

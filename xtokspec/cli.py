@@ -89,6 +89,15 @@ def _show_library_log() -> None:
     logger.setLevel(logging.INFO)
 
 
+def _compile_choice(word: str):
+    """--compile's word -> SpecConfig.compile ("off" is False)."""
+    choices = {"auto": "auto", "graphs": "graphs", "inductor": "inductor", "off": False}
+    if word not in choices:
+        raise argparse.ArgumentTypeError(f"invalid choice: {word!r} (choose from {', '.join(choices)}; a bare "
+                                         "--compile goes after the prompt)")
+    return choices[word]
+
+
 def _generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the models is checked first (loading takes seconds).
     prompt = _read_prompt(args)
@@ -100,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
     if do_sample:
         SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
-    if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile):
+    if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile in (True, "inductor", "graphs")):
         raise XTokSpecError("--cpu-linears onednn needs --dtype float32 and no --compile (oneDNN's packed float32 "
                             "linears on the CPU)")
     check_source(args.target, "target (large)")  # NOTE: both named before either loads (XTokSpec checks again)
@@ -236,9 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "distribution (sampled), or its likeliest ones tested one-hot (top); greedy trees take the top")
     gen.add_argument("--cache", choices=("auto", "dynamic", "static"), default=SpecConfig.cache,
                      help="KV cache backend for both models; auto = static on CUDA, dynamic elsewhere")
-    gen.add_argument("--compile", action="store_true",
-                     help="torch.compile both models' short forwards (CUDA graphs on a GPU, where draft steps "
-                     "get ~10x cheaper after a one-off compile; no gain on a CPU; see BENCHMARKS.md, GPU)")
+    gen.add_argument("--compile", nargs="?", type=_compile_choice, const=True, default=SpecConfig.compile,
+                     metavar="{auto,graphs,inductor,off}",
+                     help="how both models' short forwards run: auto (the default) records them as CUDA graphs on a "
+                     "GPU where the models allow it and runs them eagerly elsewhere; graphs; inductor (torch.compile, "
+                     "minutes to compile on a GPU; a bare --compile means this); off (eager). See docs/gpu.md")
     gen.add_argument("--dtype", choices=_DTYPES, default="auto",
                      help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
                      "Python API load it (bfloat16 for the bundled models)")

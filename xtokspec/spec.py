@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from . import chat, loop, options, sampling
 from .bridge import TextSync
 from .cache import ModelState
 from .codec import TokenCodec
-from .compile import CompiledStep, warmup_plan
+from .compile import choose_step, step_kind, warmup_plan
 from .kv import choose_backend, context_limit, input_device, sliding_layers, takes_tree_masks
 from .mapping import IntersectionMap, SameVocab, Switching, TextBridge, VocabMaps
 from .models import (
@@ -38,6 +39,8 @@ from .policy import DraftingCost, DraftLength, Fallback, ProposalChooser, TreeBu
 from .propose import ChainProposer, TreeProposer
 from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 from .verify import Sampler
+
+log = logging.getLogger("xtokspec")
 
 
 class XTokSpec:
@@ -73,7 +76,7 @@ class XTokSpec:
         self.vocab_maps = VocabMaps(self.target, self.draft, self.target_eos, self.draft_eos)
         self._full_draft_model = self.draft_model  # trim_draft_vocab replaces draft_model by a view of this
         self.draft_vocab: DraftVocab | None = None
-        self._steps: dict[int, object] = {}  # id(model) -> compiled model (SpecConfig.compile)
+        self._steps: dict[int, object] = {}  # id(model) -> its step (SpecConfig.compile), or None: eager
         self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
         self._tree_size_times: dict = {}  # captured tree verification costs per size (policy.TreeBudget)
         self._alone_times = collections.deque(maxlen=Fallback.ALONE_SAMPLES)  # target-alone cycle seconds
@@ -154,9 +157,11 @@ class XTokSpec:
 
     def warmup(self, prompt: str, max_new_tokens: int = 128, *, tree_width: int | None = None,
                progress: bool = True) -> int:
-        """With `SpecConfig(compile=True)`: compile now every shape that generations of this prompt's size can
-        meet, so that none of them stops to compile (a first call of a new shape: seconds on a CPU, tens of
-        seconds per shape for a 13B model on a GPU). Returns the number of shapes; 0 without compile=True.
+        """With captured steps (CUDA graphs, the default on a GPU; or `compile="inductor"`): record or compile now
+        every shape that generations of this prompt's size can meet, so that none of them stops for it (a first
+        call of a new shape: two warm-up forwards and a capture to record a graph; to compile, seconds on a CPU and
+        tens of seconds per shape for a 13B model on a GPU). Returns the number of shapes; 0 where both models run eagerly (the
+        CPU's default). How long it took is logged (logger "xtokspec", INFO) and added to `capture_seconds`.
 
         Compiled calls are specialised on the cache's size class (buffers of 256, 384, 512, 768, ... positions),
         which the prompt's length plus `max_new_tokens` decides: warm up with a prompt and a `max_new_tokens`
@@ -165,7 +170,8 @@ class XTokSpec:
         verifications or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's
         tree levels and the target's moves of an accepted path into place."""
         config = options.call_config(self.config, tree_width=tree_width)
-        if not config.compile:
+        steps = [self._step(model) for model in (self.target_model, self.draft_model)]
+        if not any(steps):
             return 0
         from tqdm.auto import tqdm
 
@@ -173,19 +179,30 @@ class XTokSpec:
         self._check_trees(config)
         target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
         plan = warmup_plan(target, draft, config)
+        before = self.capture_seconds
+        kinds = sorted({step_kind(step) for step in steps} - {None})
         try:
             with torch.inference_mode():
                 for state in (target, draft):
                     state.forward(keep=1)  # the prompt (eager: a cache's first forward always is)
-                for state, call, n in tqdm(plan, desc="compiling", disable=not progress):
+                desc = "recording CUDA graphs" if kinds == ["graphs"] else "compiling"
+                for state, call, n in tqdm(plan, desc=desc, disable=not progress):
                     prompt_len = len(state.ids)
-                    for _ in range(2):  # CUDA graphs are recorded on a shape's second call
+                    for _ in range(2):  # torch.compile's CUDA graphs are recorded on a shape's second call
                         call(state, n)
                         state.truncate(prompt_len)
         finally:
             self._release(target)
             self._release(draft)
+        log.info("warmup: %d shapes (%s) ready in %.1f s", len(plan), " and ".join(kinds),
+                 self.capture_seconds - before)
         return len(plan)
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds this XTokSpec has spent recording CUDA graphs or compiling its steps (warmup and first calls of
+        new shapes in generations); each generation's share is its `stats.capture_seconds`."""
+        return sum(step.setup_seconds for step in self._steps.values() if step is not None)
 
     @property
     def custom_generate(self):
@@ -237,9 +254,11 @@ class XTokSpec:
         stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
         with torch.inference_mode():
             target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
+            before = self.capture_seconds
             try:
                 yield from loop.cycles(self._run(target, draft, stats, params, config, kind), max_new_tokens)
             finally:  # also when a stream is closed early
+                stats.capture_seconds = self.capture_seconds - before
                 self._release(target)
                 self._release(draft)
 
@@ -302,7 +321,9 @@ class XTokSpec:
     def _run(self, target: ModelState, draft: ModelState, stats: GenerationStats, params: SamplingParams,
              config: SpecConfig, kind: str) -> loop.Run:
         """One generation's loop state: its mapper, proposer, sampler and policies."""
-        stats.cache = f"{target.backend}/{draft.backend}" + ("+compile" if config.compile else "")
+        kinds = {step_kind(target.step), step_kind(draft.step)}
+        stats.cache = (f"{target.backend}/{draft.backend}" + ("+graphs" if "graphs" in kinds else "")
+                       + ("+compile" if "inductor" in kinds else ""))
         warpers = sampling.build_warpers(params) if params.do_sample else None
         sampler = draft_gen = None
         if params.do_sample:
@@ -357,15 +378,19 @@ class XTokSpec:
                          maps.draft_to_target(logits_device))
 
     # ---------------------------------------------------------------- caches
+    def _step(self, model):
+        """`model`'s step (compile.choose_step: CUDA graphs, torch.compile, or None for eager), chosen once per
+        XTokSpec (a model that cannot be captured is named in a warning then)."""
+        if id(model) not in self._steps:
+            role = "target" if model is self.target_model else "draft"
+            self._steps[id(model)] = choose_step(model, self.config.compile, self.config.cache, role)
+        return self._steps[id(model)]
+
     def _model_state(self, model, ids: list[int], config: SpecConfig, capacity: int, tree_nodes: int = 0) -> ModelState:
-        """ids + KV cache with the configured backend (and the compiled step, compiled once per XTokSpec)."""
-        backend = choose_backend(model, config.cache, config.compile)
-        step, reuse = None, None
-        if config.compile:
-            step = self._steps.get(id(model))
-            if step is None:
-                role = "target" if model is self.target_model else "draft"
-                step = self._steps[id(model)] = CompiledStep(model, role)
+        """ids + KV cache with the configured backend (and the model's captured step, if it has one)."""
+        step = self._step(model)
+        backend = choose_backend(model, config.cache, step is not None)
+        reuse = None
         if backend == "static":
             # NOTE: taken, not shared: a generation still running (another open stream) keeps its own cache
             reuse = self._idle_kv.pop(id(model), None)

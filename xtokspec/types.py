@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
 CACHE_CHOICES = ("auto", "dynamic", "static")
+# SpecConfig.compile: "auto" (CUDA graphs on a GPU where the models allow them, eager elsewhere), "graphs" (CUDA
+# graphs), "inductor" (torch.compile; True means the same), False (eager)
+COMPILE_CHOICES = ("auto", "graphs", "inductor", True, False)
 TREE_ROOTS = ("sampled", "top")  # a sampled tree's root candidates: drawn from the draft, or its likeliest ones
 # Why a generation ended: the target emitted EOS; max_new_tokens were produced; or the target's context
 # (max_position_embeddings) is full, so the target alone could not have gone on either.
@@ -86,7 +89,10 @@ class SpecConfig:
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto" (chosen each cycle)
     min_mapped_mass: float = 0.5  # "auto" starts with intersection when >= this share of the draft vocabulary maps
     cache: str = "auto"  # KV cache backend per model: "dynamic", "static" (preallocated), "auto" = static on CUDA
-    compile: bool = False  # torch.compile both models' short forwards (CUDA graphs on a GPU); needs the static cache
+    # both models' short forwards as fixed-shape steps on the static cache: "graphs" recorded as CUDA graphs and
+    # replayed (seconds to capture), "inductor" (or True) through torch.compile (minutes on a GPU), False eager;
+    # "auto": graphs on CUDA where the models allow them (full attention, sdpa/eager attention), eager elsewhere
+    compile: bool | str = "auto"
     tree_width: int = 1  # token trees: drafted candidates kept at each depth (1 = a single chain, no tree)
     # sampled trees: the root's tree_width candidates drawn from the draft without replacement and tested against
     # its distribution ("sampled"), or its likeliest ones tested one-hot ("top"); greedy trees always take the top
@@ -113,15 +119,21 @@ class SpecConfig:
             )
         if self.proposal not in PROPOSAL_KINDS:
             raise XTokSpecError(f"proposal must be one of {PROPOSAL_KINDS}, got {self.proposal!r}")
-        for name in ("compile", "adaptive", "prune_tree", "fallback"):
+        if not any(self.compile is choice or (isinstance(choice, str) and self.compile == choice)
+                   for choice in COMPILE_CHOICES):
+            raise XTokSpecError(
+                "compile must be 'auto' (CUDA graphs on a GPU where the models allow them, else eager), 'graphs', "
+                f"'inductor' (torch.compile; True means the same) or False (eager), got {self.compile!r}")
+        for name in ("adaptive", "prune_tree", "fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise XTokSpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.tree_root not in TREE_ROOTS:
             raise XTokSpecError(f"tree_root must be one of {TREE_ROOTS}, got {self.tree_root!r}")
         if self.cache not in CACHE_CHOICES:
             raise XTokSpecError(f"cache must be one of {CACHE_CHOICES}, got {self.cache!r}")
-        if self.compile and self.cache == "dynamic":
-            raise XTokSpecError("compile=True needs the static cache (fixed shapes): use cache='static' or 'auto'")
+        if self.compile in (True, "inductor", "graphs") and self.cache == "dynamic":
+            raise XTokSpecError(f"compile={self.compile!r} needs the static cache (fixed shapes): use cache='static' "
+                                "or 'auto'")
         if self.draft_context is not None and (
             isinstance(self.draft_context, bool) or not isinstance(self.draft_context, int)
             or self.draft_context < 4 * self.max_draft_tokens):
@@ -202,7 +214,9 @@ class GenerationStats:
     proposal: str = ""  # the proposal kind used ("same-tokenizer", "onehot", "intersection", "greedy-bridge"),
     # with " tree" appended for token trees
     stop_reason: str = ""  # see STOP_REASONS; set when generation ends
-    cache: str = ""  # KV cache backends used, "target/draft" (e.g. "static/static")
+    cache: str = ""  # KV cache backends used, "target/draft" (e.g. "static/static"; "+graphs": CUDA graphs)
+    # seconds this generation spent recording CUDA graphs or compiling, for shapes it met first (0 after warmup)
+    capture_seconds: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)  # K chosen each cycle
     proposal_lengths: list[int] = field(default_factory=list)  # target-vocabulary proposals (tree nodes) each cycle
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
@@ -266,6 +280,7 @@ class GenerationStats:
             f"({self.acceptance_rate:.0%}; per-token alpha {self.token_acceptance:.2f}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
             f"verify {self.verify_seconds:.2f}s"
             + (f"; {self.alone_cycles} cycles ran the target alone (fallback)" if self.alone_cycles else "")
+            + (f"; {self.capture_seconds:.1f}s recording new shapes" if self.capture_seconds else "")
         )
 
 
