@@ -116,7 +116,9 @@ def no_eos(model, tok) -> None:
 def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
     # compile=True: every shape now, so that no timed prompt meets a new one (a first compile at the 13B shapes
     # stalls a generation for tens of seconds)
-    spec.warmup(max(PROMPTS, key=len), max_new_tokens=tokens, progress=False)
+    start = time.perf_counter()
+    shapes = spec.warmup(max(PROMPTS, key=len), max_new_tokens=tokens, progress=False)
+    warmup_s = time.perf_counter() - start
     spec.generate(PROMPTS[0], max_new_tokens=tokens)  # warm-up (allocates)
     rows = []
     for prompt in PROMPTS:
@@ -135,7 +137,8 @@ def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
                      "cycle_ms": 1e3 * wall / cycles, "overhead_ms": 1e3 * (wall - model) / cycles,
                      "overhead_share": (wall - model) / wall,
                      **{f"{key} ms": 1e3 * t / cycles for key, t in sorted(calls.items())}})
-    return summarise(rows)
+    # warmup: wall seconds (the prompt's prefills included) and those spent recording graphs or compiling
+    return summarise(rows) | {"warmup_shapes": shapes, "warmup_s": warmup_s, "capture_s": spec.capture_seconds}
 
 
 def run_hf(target, assistant, tok, tokens: int, k: int, device: str) -> dict:
@@ -209,9 +212,11 @@ def main() -> None:
     parser.add_argument("--pair", default="13b", choices=["13b", "7b-1b"])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--compile", action="store_true",
-                        help="run xtokspec with SpecConfig(compile=True) instead of the default configuration "
-                             "(compiling the 13B shape's buckets takes minutes)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default="off",
+                        choices=["off", "graphs", "inductor", "auto"],
+                        help="xtokspec's steps: off (eager on the static cache), graphs (CUDA graphs, recorded in "
+                             "seconds), inductor (torch.compile, minutes at the 13B shapes; a bare --compile), or "
+                             "auto (the default configuration's choice)")
     parser.add_argument("--tree-width", type=int, default=1,
                         help="token trees of this width (every drafted node verified: adaptive is off)")
     parser.add_argument("--drafts", nargs="+", default=["same", "bridged"], choices=["same", "bridged"],
@@ -228,7 +233,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "pair": args.pair,
-            "k": args.k, "tokens": args.tokens, "tiny": args.tiny, "tree_width": args.tree_width}
+            "k": args.k, "tokens": args.tokens, "tiny": args.tiny, "tree_width": args.tree_width,
+            "compile": args.compile}
     target_config, draft_config = shapes(args.tiny)[args.pair]
     sp, bpe = tokenizer("ja-target"), tokenizer("ja-draft-bpe")
     torch.manual_seed(0)
@@ -248,11 +254,13 @@ def main() -> None:
         no_eos(draft, draft_tok)
         tree = {"tree_width": args.tree_width}
         suffix = f" tree{args.tree_width}" if args.tree_width > 1 else ""
-        if args.compile:
-            configs = {f"{suffix} compiled": SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=True,
-                                                        cache="static", **tree)}
+        if args.compile != "off":
+            label = "compiled" if args.compile == "inductor" else args.compile
+            configs = {f"{suffix} {label}": SpecConfig(adaptive=False, num_draft_tokens=args.k, cache="static",
+                                                       compile=True if args.compile == "inductor" else args.compile,
+                                                       **tree)}
         else:
-            configs = {suffix: SpecConfig(adaptive=False, num_draft_tokens=args.k, **tree)}
+            configs = {suffix: SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=False, **tree)}
         for suffix, config in configs.items():
             name = f"xtokspec {draft_name}{suffix}"
             try:

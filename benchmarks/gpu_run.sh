@@ -14,6 +14,10 @@
 #   bash benchmarks/gpu_run.sh 12  # the CUDA tests, test_cache.py and the dynamic same-tokenizer chi-square case
 #   bash benchmarks/gpu_run.sh 13 [24]  # trees against chains at T=0.7 on the fixture preset (prompts: 12, or 24)
 #   bash benchmarks/gpu_run.sh 14  # the same tree and chain with CUDA graphs (compile=True), drafting every cycle
+#   bash benchmarks/gpu_run.sh 15  # CUDA graphs without inductor (the default): the CUDA tests but torch.compile's,
+#                                  # a chi-square case under graphs, recording and step costs at the 13B shapes, a
+#                                  # fresh process's first generate, the bridged loop per cycle
+#   bash benchmarks/gpu_run.sh 16  # CUDA graphs at the 7B/1B shapes, and the same-tokenizer loop per cycle
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -113,6 +117,21 @@ case "${1:-1}" in
   step 560 fixtures-t07c xtokspec bench --preset fixtures --device cuda --compile --prompts 12 --max-new-tokens 64 \
     --modes T=0.7 --tree-widths 4 --always-draft --no-progress --systems xtokspec-bridged-tree4-always \
     xtokspec-bridged-intersection-always --out "$OUT/fixtures-t07c"
+  ;;
+15)  # CUDA graphs recorded by xtokspec (SpecConfig(compile="graphs"), "auto" on a GPU; no inductor): the CUDA tests
+     # but torch.compile's (greedy equality for chains and trees under graphs, the host syncs per cycle eager and
+     # under graphs, the default's first generate, the static intersection chi-square case under graphs with its
+     # control), in parallel; then what recording and a replayed step cost at the 13B shapes (c with graphs, the
+     # predictions from the real pairs' traces), a first generate in a fresh process, and the bridged loop per cycle
+  XTOKSPEC_TEST_DEVICE=cuda step 250 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 4 \
+    --durations=0 tests/test_gpu.py -k "not compiled"
+  step 110 graphs13 python3 benchmarks/gpu_graphs.py --pairs 13b --out "$OUT/graphs13"
+  step 60 first python3 benchmarks/gpu_graphs.py --first-generate --out "$OUT/first"
+  step 130 loopg-bridged python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --out "$OUT/loopg-bridged"
+  ;;
+16)  # CUDA graphs at the 7B/1B shapes, and the same-tokenizer loop per cycle with graphs (13B shapes)
+  step 200 graphs7 python3 benchmarks/gpu_graphs.py --pairs 7b-1b --out "$OUT/graphs7"
+  step 250 loopg-same python3 benchmarks/gpu_loop.py --compile graphs --drafts same --out "$OUT/loopg-same"
   ;;
 esac
 # one archive: the device returns at most 8 files
