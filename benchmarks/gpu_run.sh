@@ -123,11 +123,15 @@ case "${1:-1}" in
      # under graphs, the default's first generate, the static intersection chi-square case under graphs with its
      # control), in parallel; then what recording and a replayed step cost at the 13B shapes (c with graphs, the
      # predictions from the real pairs' traces), a first generate in a fresh process, and the bridged loop per cycle
-  XTOKSPEC_TEST_DEVICE=cuda step 250 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 4 \
-    --durations=0 tests/test_gpu.py -k "not compiled"
-  step 110 graphs13 python3 benchmarks/gpu_graphs.py --pairs 13b --out "$OUT/graphs13"
+  # (two pytest processes side by side, so that no plugin is needed: the chi-square case alone, every other)
+  XTOKSPEC_TEST_DEVICE=cuda step 270 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
+    --durations=0 tests/test_gpu.py -k "sampling_under_cuda_graphs" &
+  XTOKSPEC_TEST_DEVICE=cuda step 270 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
+    --durations=0 tests/test_gpu.py -k "not compiled and not sampling_under_cuda_graphs"
+  wait
+  step 100 graphs13 python3 benchmarks/gpu_graphs.py --pairs 13b --out "$OUT/graphs13"
   step 60 first python3 benchmarks/gpu_graphs.py --first-generate --out "$OUT/first"
-  step 130 loopg-bridged python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --out "$OUT/loopg-bridged"
+  step 120 loopg-bridged python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --out "$OUT/loopg-bridged"
   ;;
 16)  # CUDA graphs at the 7B/1B shapes, and the same-tokenizer loop per cycle with graphs (13B shapes)
   step 200 graphs7 python3 benchmarks/gpu_graphs.py --pairs 7b-1b --out "$OUT/graphs7"

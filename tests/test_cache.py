@@ -241,7 +241,8 @@ def test_static_cache_draws_the_dynamic_caches_samples_seed_for_seed(bridged_spe
     from xtokspec import XTokSpec
 
     static = XTokSpec((bridged_spec.target_model, bridged_spec.target_tokenizer),
-                      (bridged_spec.draft_model, bridged_spec.draft_tokenizer), config=SpecConfig(cache="static"))
+                      (bridged_spec.draft_model, bridged_spec.draft_tokenizer),
+                      config=SpecConfig(cache="static", compile=False))  # eager on CUDA too
     options = dict(max_new_tokens=3, do_sample=True, proposal="onehot", num_draft_tokens=3, adaptive=False,
                    temperature=1.0, top_k=3, top_p=1.0)
     prompt = "Linux 2.0 で、 struct arp"  # tests/test_stats.py's one-hot prompt: 15% of runs accept 2 proposals
