@@ -508,3 +508,45 @@ def test_a_chain_steps_mask_and_positions_come_from_the_caches_length(uncaptured
         eager = model(input_ids=torch.tensor([state.ids])).logits[0]
     torch.testing.assert_close(torch.cat(got), eager[3:], rtol=1e-4, atol=1e-4)
     assert sorted(shape[0] for shape in step.shapes) == [1, 4] and len(uncaptured) == 2
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_warm_up_forwards_before_a_capture_leave_the_cache_as_they_found_it(tree_width, monkeypatch, sp_tokenizer,
+                                                                             bpe_tokenizer):
+    """On CUDA a shape's first call runs its forward WARMUP_CALLS times before the capture (which runs nothing),
+    then replays: the warm-ups write the cache and move its length, which must be put back, and a move's
+    warm-ups must move nothing (a move run twice is not one move). A recorder that runs the warm-ups as the CUDA
+    one does, then replays eagerly: the output is still the target's own."""
+    import xtokspec.compile
+
+    def record(step, run, restore):
+        for _ in range(step.WARMUP_CALLS):
+            run()
+            restore()
+        return run
+
+    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(GraphedStep, "_record", record)
+    target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
+    draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)
+    spec = XTokSpec(target, draft, config=SpecConfig(compile="graphs", adaptive=False, num_draft_tokens=3,
+                                                     tree_width=tree_width))
+    for prompt in PROMPTS:  # no warmup(): every shape is first met inside a generation
+        assert spec.generate(prompt, max_new_tokens=24).token_ids == target_ids(target, prompt, 24), prompt
+    # keep_path's move of an accepted path off the first branch, at its first call (warm-ups, then the replay)
+    from xtokspec.cache import ModelState
+
+    model = target[0]
+    step = GraphedStep(model, "target")
+    prompt = list(range(30, 50))
+    with torch.inference_mode():
+        state = ModelState(model, prompt, "static", 64, step, tree_nodes=16)
+        state.forward(keep=1)
+        tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 2, 3, 1]  # nodes 2 -> 3 -> 4: positions 1-3 past base
+        state.forward_tree(tokens, parents)
+        state.keep_path([2, 3, 4], tokens)
+        state.ids.append(11)
+        got = state.forward(keep=1)[0]
+        want = model(input_ids=torch.tensor([state.ids])).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (4, state.kv.capacity, "move") in step.shapes
