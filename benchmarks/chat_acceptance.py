@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import cpu_name, load_real
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = "次の文章の続きを書いてください。\n\n"
@@ -53,24 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare each output with the target alone's greedy generate")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "real-chat")
     return parser
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def load(name: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from xtokspec.bench import real_model_dir
-
-    path = real_model_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 def requests(count: int, chars: int) -> list[str]:
@@ -137,7 +119,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     config = (SpecConfig(fallback=False) if args.k is None
               else SpecConfig(fallback=False, adaptive=False, num_draft_tokens=args.k, max_draft_tokens=max(args.k, 12)))
-    target = load(args.target, dtype)
+    target = load_real(args.target, dtype)
     texts = requests(args.requests, args.chars)
     forms = {"plain": [{"prompt": t} for t in texts],
              "chat": [{"messages": [{"role": "user", "content": args.instruction + t}]} for t in texts]}
@@ -154,7 +136,7 @@ def main(argv=None) -> int:
     rows, summary = [], {}
     for pair in args.drafts:
         label, name = pair.split("=", 1)
-        spec = XTokSpec(target, load(name, dtype), config=config)
+        spec = XTokSpec(target, load_real(name, dtype), config=config)
         summary[label] = {}
         for form, calls in forms.items():
             form_rows = []

@@ -47,6 +47,8 @@ import time
 import traceback
 from pathlib import Path
 
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("bridged", "same")
 MODES = ("greedy", "T=0.7")
@@ -241,16 +243,6 @@ class WorkerProcess:
                 self.process.kill()
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def git_describe(tree: Path) -> str:
     def git(*args):
         return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip()
@@ -384,7 +376,7 @@ def controller_main(args) -> int:
             workers[label] = WorkerProcess(label, tree, setup, args.threads)
         hello = {label: worker.receive() for label, worker in workers.items()}
 
-        header = [f"cpu: {cpu_model()} ({os.cpu_count()} logical cores); device {args.device}",
+        header = [f"cpu: {cpu_name()} ({os.cpu_count()} logical cores); device {args.device}",
                   f"torch {hello['old']['torch']}, threads {hello['old']['threads']} (old) / "
                   f"{hello['new']['threads']} (new); transformers {hello['old']['transformers']}; "
                   f"python {hello['old']['python']}",

@@ -22,32 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import cpu_name, load_real
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def load(name: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from xtokspec.bench import real_model_dir
-
-    path = real_model_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 def prompt_of_length(tokenizer, text: str, length: int) -> str:
@@ -150,8 +132,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    target = load(args.target, dtype)
-    drafts = {label: load(name, dtype) for label, name in (d.split("=", 1) for d in args.drafts)}
+    target = load_real(args.target, dtype)
+    drafts = {label: load_real(name, dtype) for label, name in (d.split("=", 1) for d in args.drafts)}
     configs = [(None, SpecConfig())] + [(n, SpecConfig(draft_context=n)) for n in args.draft_contexts]
     specs = {(label, n): XTokSpec(target, draft, config=config) for label, draft in drafts.items() for n, config in configs}
     text = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8")

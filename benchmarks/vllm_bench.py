@@ -22,11 +22,12 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "fixtures" / "models"
@@ -45,16 +46,6 @@ def systems(k: int) -> dict[str, dict]:
                                             "num_speculative_tokens": k},
                      "additional_config": {"xtokspec_draft": str(MODELS / "ja-draft-bpe")}},
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} vCPUs"
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def spec_counts() -> tuple[int, int]:
@@ -165,7 +156,7 @@ def main() -> None:
     results = [measure(name, chosen[name], prompts, args) for name in args.systems.split(",")]
     import vllm
 
-    header = (f"vLLM {vllm.__version__} ({cpu_name()}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), fixture pair, greedy, K={args.k}, {len(prompts)} held-out "
+    header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), fixture pair, greedy, K={args.k}, {len(prompts)} held-out "
               f"prompts x {args.new_tokens} new tokens, median of {args.repeats}")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
     print(header)
