@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_run.sh 15  # CUDA graphs without inductor (the default): the CUDA tests but torch.compile's,
 #                                  # a chi-square case under graphs, recording and step costs at the 13B shapes, a
 #                                  # fresh process's first generate, the bridged loop per cycle
-#   bash benchmarks/gpu_run.sh 16  # CUDA graphs at the 7B/1B shapes, and the same-tokenizer loop per cycle
+#   bash benchmarks/gpu_run.sh 16  # CUDA graphs at the 7B/1B shapes, the same-tokenizer loop per cycle, the fixture preset by default
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -136,6 +136,9 @@ case "${1:-1}" in
 16)  # CUDA graphs at the 7B/1B shapes, and the same-tokenizer loop per cycle with graphs (13B shapes)
   step 200 graphs7 python3 benchmarks/gpu_graphs.py --pairs 7b-1b --out "$OUT/graphs7"
   step 250 loopg-same python3 benchmarks/gpu_loop.py --compile graphs --drafts same --out "$OUT/loopg-same"
+  # the fixture preset with the default configuration (graphs) against the target alone and assisted generation
+  step 120 fixtures-default xtokspec bench --preset fixtures --device cuda --prompts 12 --max-new-tokens 64 \
+    --modes greedy --tree-widths --no-progress --out "$OUT/fixtures-default"
   ;;
 esac
 # one archive: the device returns at most 8 files

@@ -176,6 +176,33 @@ def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeyp
     assert sorted(warmed) == [1, 1, 2]  # the chosen systems only: two chains and the bridged draft's width-2 tree
 
 
+def test_bench_default_is_the_default_configuration_eager_on_a_cpu(monkeypatch):
+    """`xtokspec bench` without --compile runs the xtokspec systems with SpecConfig's default ("auto"): on a CPU
+    eagerly on the dynamic cache, nothing warmed up, and the eager static-cache twins present; --compile's words
+    reach the systems' config."""
+    import torch
+
+    from xtokspec.bench import load_preset, run_benchmark
+    from xtokspec.cli import build_parser
+    from xtokspec.spec import XTokSpec
+
+    warmed = []
+    monkeypatch.setattr(XTokSpec, "warmup", lambda self, *a, **k: warmed.append(k) or 0)
+    models = load_preset("fixtures", torch.float32)
+    prompt = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()[0]
+    runs = run_benchmark(models, ["greedy"], [prompt], 8, progress=False,
+                         only=("xtokspec-same", "xtokspec-bridged", "xtokspec-bridged-static"))
+    caches = {r.system: r.stats["cache"] for r in runs if r.system != "target"}
+    assert caches == {"xtokspec-same": "dynamic/dynamic", "xtokspec-bridged": "dynamic/dynamic",
+                      "xtokspec-bridged-static": "static/static"}
+    assert warmed == []
+    parser = build_parser()
+    for argv, value in (([], "auto"), (["--compile"], True), (["--compile", "off"], False),
+                        (["--compile", "graphs"], "graphs")):
+        got = parser.parse_args(["bench", *argv]).compile
+        assert got == value and type(got) is type(value), (argv, got)
+
+
 def test_systems_that_do_not_run_are_refused_before_anything_is_timed(tmp_path, capsys):
     """--systems names a system that no mode has, or only systems that a mode lacks (greedy's xtokspec-bridged at
     T=0.7, where the bridged chains are named by their proposal): refused with what exists, before any run."""

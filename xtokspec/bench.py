@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from .kv import input_device
 from .models import CPU_LINEARS, eos_ids, fixture_model, fixtures_dir, onednn_linears
+from .options import compile_choice
 from .report import Run, write_report
 from .types import SpecConfig, XTokSpecError
 
@@ -222,11 +224,12 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
                   tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
-                  compile: bool = False, tree_top: bool = False, always_draft: bool = False) -> list[Run]:
+                  compile: bool | str = "auto", tree_top: bool = False, always_draft: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
-    `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system with SpecConfig(compile=True)
-    (static caches, so no separate `-static` systems), each compiled for the longest prompt before any is timed
+    `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system's SpecConfig.compile (the
+    default, "auto": CUDA graphs on a GPU, eager on a CPU); where that captures steps (static caches, so no separate
+    `-static` systems), each system records or compiles its shapes for the longest prompt before any is timed
     (`XTokSpec.warmup`). `always_draft`: the `-always` twins (build_systems)."""
     from tqdm.auto import tqdm
 
@@ -234,6 +237,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
 
     t_model = models.target[0]
     target_eos = eos_ids(*models.target)
+    captured = compile is True or compile in ("graphs", "inductor") or (
+        compile == "auto" and input_device(t_model).type == "cuda")
 
     def config(**options) -> SpecConfig:
         return SpecConfig(compile=compile, **options)
@@ -255,7 +260,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
     if draft_vocab and models.draft_cross:
         spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
         print(spec_trim.trim_draft_vocab(calibration or calibration_texts(), draft_vocab).describe(), flush=True)
-    spec_static = {} if compile else {  # compiled systems are on the static cache already
+    spec_static = {} if captured else {  # captured systems are on the static cache already
         key: XTokSpec(models.target, pair, config=SpecConfig(cache="static", compile=compile))  # eager, as the others
         for key, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
     counters = {"target": Counter(), "draft": Counter()}
@@ -276,7 +281,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         if only and set(systems) == {"target"}:
             raise XTokSpecError(f"--systems: none of {sorted(only)} runs in mode {m}, so it would time the target "
                                 f"alone; that mode has {sorted(set(every[m]) - {'target'})}")
-    if compile:  # every shape of every chosen xtokspec system now, so that no timed run stops to compile
+    if captured:  # every shape of every chosen xtokspec system now, so that no timed run stops to capture
         longest = max(prompts, key=len)
         shapes = {(id(fn.spec), fn.tree_width): fn for systems in chosen.values() for fn in systems.values()
                   if hasattr(fn, "spec")}
@@ -378,9 +383,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
                        help="onednn: every model's linears packed for oneDNN (float32 CPU only; faster short "
                             "forwards on CPUs without bfloat16 units; BENCHMARKS.md, 'Where verification cannot pay')")
-    bench.add_argument("--compile", action="store_true",
-                       help="xtokspec systems with SpecConfig(compile=True) (CUDA graphs on a GPU), every shape "
-                            "compiled before timing (minutes per system for a large model)")
+    bench.add_argument("--compile", nargs="?", type=compile_choice, const=True, default=SpecConfig.compile,
+                       metavar="{auto,graphs,inductor,off}",
+                       help="the xtokspec systems' SpecConfig.compile, as generate's --compile: auto (the default) "
+                            "records CUDA graphs on a GPU and runs eagerly on a CPU; a bare --compile is inductor "
+                            "(minutes per system for a large model); captured systems record every shape first")
     bench.add_argument("--tree-widths", type=int, nargs="*", default=[4], metavar="W",
                        help="token-tree systems to add for the bridged draft, one per width (none: chains only)")
     bench.add_argument("--tree-unpruned", action="store_true",

@@ -9,6 +9,7 @@ import sys
 from . import __version__
 from .bench import add_bench_parser, calibration_lines, read_text
 from .models import CPU_LINEARS, FIXTURE_NAMES, check_source
+from .options import compile_choice
 from .types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -87,15 +88,6 @@ def _show_library_log() -> None:
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         logger.addHandler(_StderrHandler())
     logger.setLevel(logging.INFO)
-
-
-def _compile_choice(word: str):
-    """--compile's word -> SpecConfig.compile ("off" is False)."""
-    choices = {"auto": "auto", "graphs": "graphs", "inductor": "inductor", "off": False}
-    if word not in choices:
-        raise argparse.ArgumentTypeError(f"invalid choice: {word!r} (choose from {', '.join(choices)}; a bare "
-                                         "--compile goes after the prompt)")
-    return choices[word]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -245,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "distribution (sampled), or its likeliest ones tested one-hot (top); greedy trees take the top")
     gen.add_argument("--cache", choices=("auto", "dynamic", "static"), default=SpecConfig.cache,
                      help="KV cache backend for both models; auto = static on CUDA, dynamic elsewhere")
-    gen.add_argument("--compile", nargs="?", type=_compile_choice, const=True, default=SpecConfig.compile,
+    gen.add_argument("--compile", nargs="?", type=compile_choice, const=True, default=SpecConfig.compile,
                      metavar="{auto,graphs,inductor,off}",
                      help="how both models' short forwards run: auto (the default) records them as CUDA graphs on a "
                      "GPU where the models allow it and runs them eagerly elsewhere; graphs; inductor (torch.compile, "

@@ -4,6 +4,7 @@ Shared by the facade (xtokspec/spec.py), the transformers entry point (xtokspec/
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
@@ -141,3 +142,14 @@ def unknown_options_message(names: list[str], known: tuple[str, ...]) -> str:
             close = difflib.get_close_matches(name, known, n=1) or difflib.get_close_matches(name, config_fields, n=1)
             parts.append(f"{name!r} is not an option" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return f"unknown keyword for generate/stream: {'; '.join(parts)}. They take: {', '.join(known)}"
+
+
+COMPILE_WORDS = {"auto": "auto", "graphs": "graphs", "inductor": "inductor", "off": False}
+
+
+def compile_choice(word: str):
+    """The command line's --compile word -> SpecConfig.compile ("off" is False)."""
+    if word not in COMPILE_WORDS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {word!r} (choose from {', '.join(COMPILE_WORDS)}; a bare "
+                                         "--compile goes after the prompt)")
+    return COMPILE_WORDS[word]
