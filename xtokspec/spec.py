@@ -170,13 +170,13 @@ class XTokSpec:
         verifications or, with `tree_width` > 1 (default: the config's), as tree-masked ones, with the draft's
         tree levels and the target's moves of an accepted path into place."""
         config = options.call_config(self.config, tree_width=tree_width)
+        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)  # NOTE: refused before any step is made
+        self._check_trees(config)
         steps = [self._step(model) for model in (self.target_model, self.draft_model)]
         if not any(steps):
             return 0
         from tqdm.auto import tqdm
 
-        target_ids, draft_ids = self._check_prompt(prompt, max_new_tokens)
-        self._check_trees(config)
         target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
         plan = warmup_plan(target, draft, config)
         before = self.capture_seconds
