@@ -158,16 +158,25 @@ def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenize
     """keep_path moves an accepted path that is not nodes 1, 2, ... into place: through a compiled step with one
     captured call for every layer (inductor for real here), padded to a bucket by positions copied onto
     themselves. The cache then holds exactly the committed ids: the next forward equals a plain one."""
-    from xtokspec.cache import ModelState
     from xtokspec.compile import CompiledStep
 
     model = tiny_llama(sp_tokenizer, seed=5)
     step = CompiledStep(model, "target")
+    check_move_off_the_first_branch(model, step)
+    torch._dynamo.reset()
+
+
+def check_move_off_the_first_branch(model, step) -> None:
+    """A tree verified through `step`, its accepted path (nodes 2 -> 3 -> 4: positions 1-3 past the prompt) moved
+    into place by keep_path, then one more forward: the cache holds exactly the committed ids (the logits equal a
+    plain forward's), and the move ran as a 3-position step padded to 4."""
+    from xtokspec.cache import ModelState
+
     prompt = list(range(30, 50))
     with torch.inference_mode():
         state = ModelState(model, prompt, "static", 64, step, tree_nodes=16)
         state.forward(keep=1)
-        tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 2, 3, 1]  # nodes 2 -> 3 -> 4: positions 1-3 past base
+        tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 2, 3, 1]
         state.forward_tree(tokens, parents)
         state.keep_path([2, 3, 4], tokens)
         assert state.ids == prompt + [6, 7, 8] and state.cached == len(state.ids)
@@ -175,8 +184,7 @@ def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenize
         got = state.forward(keep=1)[0]
         want = model(input_ids=torch.tensor([state.ids])).logits[0, -1]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert (4, state.kv.capacity, "move") in step.shapes  # 3 positions, padded to 4
-    torch._dynamo.reset()
+    assert (4, state.kv.capacity, "move") in step.shapes
 
 
 @pytest.mark.parametrize("tree_width", [1, 2])
@@ -534,19 +542,4 @@ def test_warm_up_forwards_before_a_capture_leave_the_cache_as_they_found_it(tree
     for prompt in PROMPTS:  # no warmup(): every shape is first met inside a generation
         assert spec.generate(prompt, max_new_tokens=24).token_ids == target_ids(target, prompt, 24), prompt
     # keep_path's move of an accepted path off the first branch, at its first call (warm-ups, then the replay)
-    from xtokspec.cache import ModelState
-
-    model = target[0]
-    step = GraphedStep(model, "target")
-    prompt = list(range(30, 50))
-    with torch.inference_mode():
-        state = ModelState(model, prompt, "static", 64, step, tree_nodes=16)
-        state.forward(keep=1)
-        tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 0, 2, 3, 1]  # nodes 2 -> 3 -> 4: positions 1-3 past base
-        state.forward_tree(tokens, parents)
-        state.keep_path([2, 3, 4], tokens)
-        state.ids.append(11)
-        got = state.forward(keep=1)[0]
-        want = model(input_ids=torch.tensor([state.ids])).logits[0, -1]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert (4, state.kv.capacity, "move") in step.shapes
+    check_move_off_the_first_branch(target[0], GraphedStep(target[0], "target"))
