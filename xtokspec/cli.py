@@ -1,4 +1,4 @@
-"""Command line: `xtokspec generate`, `xtokspec bench`."""
+"""Command line: `xtokspec generate`, `xtokspec bench`, `xtokspec distill`."""
 
 from __future__ import annotations
 
@@ -188,6 +188,113 @@ def _compare(spec, prompt, kwargs: dict, stats, text: str) -> None:
     print(line, file=sys.stderr)
 
 
+def _prompt_chars(text: str) -> tuple[int, int]:
+    """--prompt-chars MIN-MAX (or N: exactly N characters)."""
+    try:
+        low, _, high = text.partition("-")
+        span = (int(low), int(high or low))
+        if 0 < span[0] <= span[1]:
+            return span
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give MIN-MAX characters with 0 < MIN <= MAX (e.g. 8-24)")
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from .distill import distill
+
+    _show_library_log()
+    try:
+        report = distill(
+            args.target, args.draft, args.prompts, args.out, eval_prompts=args.eval_prompts,
+            max_seconds=args.max_seconds, overwrite=args.overwrite, resume=args.resume,
+            target_device=args.target_device, draft_device=args.draft_device, progress=not args.no_progress,
+            new_tokens=args.new_tokens, modes=tuple(args.modes), max_prompts=args.max_prompts,
+            prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
+            batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
+            lora_rank=args.lora_rank, eval_count=args.eval_count, eval_new_tokens=args.eval_new_tokens,
+            eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype,
+        )
+    except KeyboardInterrupt:
+        print(f"xtokspec: interrupted; the data and the last checkpoint are in {args.out}.partial: run the same "
+              "command with --resume to continue, or with --overwrite to start over", file=sys.stderr)
+        return 130
+    data, training = report["data"], report["training"]
+    print(f"[xtokspec] distilled {report['draft']} for {report['target']} into {args.out}: "
+          f"{data['continuations']} continuations, {training['steps']} steps, {report['distill_seconds']:.0f} s "
+          f"(data {data['seconds']:.0f} s, training {training['seconds']:.0f} s)", file=sys.stderr)
+    evaluation = report["evaluation"]
+    if evaluation:
+        for key, label in (("token_acceptance", "greedy per-token acceptance"),
+                           ("tokens_per_call_sampled", f"tokens per target call at T={evaluation['temperature']}"),
+                           ("speedup", "greedy speed-up over the target alone")):
+            print(f"[xtokspec] {label} on {evaluation['prompts']} held-out prompts: "
+                  f"{evaluation['before'][key]:.3f} -> {evaluation['after'][key]:.3f}", file=sys.stderr)
+    return 0
+
+
+def _add_distill_parser(sub) -> None:
+    from .distill import DistillSettings
+
+    d = DistillSettings()
+    dis = sub.add_parser(
+        "distill", formatter_class=_HelpFormatter,
+        help="align a draft (any tokenizer) to a target: train it on the target's continuations of your prompts",
+        description="Distil a target into a draft of any tokenizer xtokspec bridges: the target continues your "
+        "prompts (greedy and sampled), the draft is fine-tuned on that text in its own tokenization (the prompt "
+        "out of the loss), and the result is written to --out as a model folder that loads like any draft "
+        "(XTokSpec(target, OUT)), with distill_report.json beside the weights. Before and after, on held-out "
+        "prompts that training never sees: greedy per-token acceptance, tokens per target call at "
+        "--eval-temperature and the greedy speed-up over the target alone, drafting every cycle. The work goes "
+        "into OUT.partial/ and is renamed to OUT at the end; an interrupted run continues with --resume.",
+    )
+    dis.add_argument("--target", required=True, help="target (large) model: a folder, a hub id, or a bundled name")
+    dis.add_argument("--draft", required=True, help="draft (small) model to distil: a folder, a hub id, or a bundled name")
+    dis.add_argument("--prompts", required=True, metavar="FILE",
+                     help="training prompts: a UTF-8 text file, one prompt per line, or .jsonl with a \"prompt\" or "
+                     "\"text\" field")
+    dis.add_argument("--out", required=True, metavar="DIR", help="folder of the distilled draft (must not exist, "
+                     "unless --overwrite)")
+    dis.add_argument("--eval-prompts", default=None, metavar="FILE",
+                     help="held-out prompts for the before/after evaluation (same formats); by default "
+                     "--eval-count prompts of --prompts are held out and never trained on")
+    dis.add_argument("--eval-count", type=int, default=d.eval_count, help="held-out prompts evaluated (0: no evaluation)")
+    dis.add_argument("--max-prompts", type=int, default=None, help="train on at most this many prompts (default: all)")
+    dis.add_argument("--prompt-chars", type=_prompt_chars, default=None, metavar="MIN-MAX",
+                     help="cut each training prompt to a seeded length of MIN to MAX characters (for paragraphs "
+                     "of a corpus used as prompts)")
+    dis.add_argument("--new-tokens", type=int, default=d.new_tokens, help="target tokens per continuation")
+    dis.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=list(d.modes),
+                     help="continuations per prompt: greedy, sampled (T=1, the full distribution), or both")
+    dis.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts per batched target generate")
+    dis.add_argument("--max-steps", type=int, default=d.max_steps, help="training steps")
+    dis.add_argument("--max-seconds", type=float, default=None,
+                     help="wall budget for data and training: generation stops starting batches past half of it, "
+                     "training stops at it (evaluation comes on top)")
+    dis.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per training step")
+    dis.add_argument("--lr", type=float, default=d.learning_rate, help="peak learning rate (warmup, cosine decay)")
+    dis.add_argument("--max-length", type=int, default=d.max_length, help="draft tokens per training sequence")
+    dis.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) and merge them into "
+                     "the saved draft, instead of training every weight")
+    dis.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank (with --lora)")
+    dis.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per held-out prompt")
+    dis.add_argument("--eval-temperature", type=float, default=d.eval_temperature,
+                     help="temperature of the sampled evaluation (tokens per target call)")
+    dis.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt split, sampling and training")
+    dis.add_argument("--dtype", choices=_DTYPES, default=d.dtype,
+                     help="both models' dtype for generation and evaluation (training keeps float32 weights "
+                     "with bfloat16 autocast where the hardware has it); the draft is saved in its own dtype")
+    dis.add_argument("--target-device", default=None, help="e.g. cuda:0")
+    dis.add_argument("--draft-device", default=None, help="e.g. cuda:0 (training runs there)")
+    dis.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --out (kept until the new draft is complete), or discard an "
+                     "interrupted run's OUT.partial/ and start over")
+    dis.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run from OUT.partial/ (its data and last checkpoint)")
+    dis.add_argument("--no-progress", action="store_true", help="no progress bars")
+    dis.set_defaults(func=_distill)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtokspec", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -265,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     _document_bench(sub.choices["bench"])
+    _add_distill_parser(sub)
     return parser
 
 
