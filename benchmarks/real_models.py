@@ -329,14 +329,13 @@ def convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path) -> dict[str, Any
     Returns facts about the result (parameter count, vocab size, generation config).
     """
     import torch
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.bfloat16)
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(model, out_dir / "model.safetensors")
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -355,6 +354,59 @@ def convert_gguf(gguf_dir: Path, gguf_name: str, out_dir: Path) -> dict[str, Any
         "tokenizer_len": len(tok),
         "generation_config": json.loads((out_dir / "generation_config.json").read_text()),
     }
+
+
+def save_weights(model: Any, path: Path) -> None:
+    """Write ``model``'s weights as one safetensors file, a tied output embedding under its input embedding's name.
+
+    safetensors' ``save_model`` keeps one name per shared tensor and may keep the LM head's
+    (``lm_head.weight``): transformers reloads that, but vLLM skips ``lm_head.weight`` for a tied model and
+    leaves its input embedding unloaded (SmolLM2-135M then emitted token 0 over and over). Hugging Face's own
+    checkpoints of tied models carry the input embedding, so that is the name kept here."""
+    from safetensors.torch import save_file
+
+    tensors = model.state_dict()
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() == embed.data_ptr():
+        for name, tensor in list(tensors.items()):
+            if tensor.data_ptr() == embed.data_ptr() and not name.endswith("embed_tokens.weight"):
+                del tensors[name]
+    seen: dict[int, str] = {}
+    for name, tensor in list(tensors.items()):  # any other shared tensor: its first name
+        if tensor.data_ptr() in seen:
+            del tensors[name]
+        else:
+            seen[tensor.data_ptr()] = name
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+TIED_HEAD, TIED_EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def repair_tied_embeddings(folder: Path) -> bool:
+    """Rewrite a converted folder whose tied model's weights sit under ``lm_head.weight`` only (what
+    ``save_model`` wrote before ``save_weights``) so that they sit under ``model.embed_tokens.weight``, in place,
+    without converting again. Returns whether the file changed; the marker's byte count follows it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True))
+    path = folder / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        if not tied or TIED_EMBED in names or TIED_HEAD not in names:
+            return False
+        tensors = {(TIED_EMBED if name == TIED_HEAD else name): f.get_tensor(name) for name in names}
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.replace(path)
+    marker = _read_marker(folder)
+    if marker is not None:
+        marker["safetensors_bytes"] = path.stat().st_size
+        (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2, ensure_ascii=False) + "\n")
+    return True
 
 
 _PROBE_TEXT = "def fib(n):\n    # 自然言語処理"
@@ -521,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="convert again even when already done")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument("--list", action="store_true", help="list the models and whether they are cached")
+    parser.add_argument("--repair", action="store_true",
+                        help="rewrite cached folders of tied models that keep only lm_head.weight (vLLM needs "
+                             "model.embed_tokens.weight), in place, without downloading")
     return parser
 
 
@@ -531,6 +586,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in REAL_MODELS.values():
             state = "cached" if is_converted(spec.name, args.cache) else "missing"
             print(f"{spec.name}\t{state}\t{spec.role}\t{spec.title}\t{cache_root(args.cache) / spec.name}")
+        return 0
+    if args.repair:
+        for spec in REAL_MODELS.values():
+            folder = cache_root(args.cache) / spec.name
+            if is_converted(spec.name, args.cache):
+                print(f"{spec.name}\t{'repaired' if repair_tied_embeddings(folder) else 'unchanged'}\t{folder}")
         return 0
     try:
         paths = fetch_real_models(args.names or None, args.cache, not args.quiet, args.keep_raw, args.force)

@@ -163,3 +163,51 @@ def test_the_package_holds_no_download_code() -> None:
         # NOTE: imports, not words: "requests" is also what a server serves (xtokspec/vllm.py)
         imports = re.findall(r"^\s*(?:import|from)\s+(requests|urllib\S*|httpx|huggingface_hub)\b", text, flags=re.M)
         assert "pip\", \"download" not in text and not imports, (source, imports)
+
+
+def _tiny_tied_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_tied_model_weights_are_written_under_the_input_embedding(tmp_path: Path) -> None:
+    # vLLM skips lm_head.weight for a tied model: the embedding must be there under its own name
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_tied_llama()
+    model.save_pretrained(tmp_path)  # config.json
+    assets.save_weights(model, tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    ids = torch.tensor([[1, 5, 9]])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_repair_moves_a_tied_head_to_the_embedding_name(tmp_path: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_tied_llama()
+    model.save_pretrained(tmp_path)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})  # the broken layout
+    (tmp_path / assets.MARKER_FILE).write_text(json.dumps({"safetensors_bytes": 0}))
+    assert assets.repair_tied_embeddings(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(model.state_dict()) - {"lm_head.weight"}
+    marker = json.loads((tmp_path / assets.MARKER_FILE).read_text())
+    assert marker["safetensors_bytes"] == (tmp_path / "model.safetensors").stat().st_size
+    ids = torch.tensor([[1, 5, 9]])
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, model(ids).logits)
+    assert not assets.repair_tied_embeddings(tmp_path)  # already right: unchanged
