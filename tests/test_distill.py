@@ -1,0 +1,237 @@
+"""`xtokspec distill` end to end on tiny models: a random-weight target on ja-sp (SentencePiece with byte fallback)
+and a random-weight draft on ja-bpe (byte-level BPE, another tokenizer), whose acceptance starts at zero; and
+every error it names."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from model_helpers import tiny_llama, tiny_neox
+
+from xtokspec import XTokSpec, XTokSpecError
+from xtokspec import distill as distill_module
+from xtokspec.cli import main
+from xtokspec.distill import (
+    REPORT_FILE,
+    DistillSettings,
+    distill,
+    read_prompts,
+    split_prompts,
+    training_examples,
+)
+
+WORDS = ["ファイル", "設定", "表示", "する", "の", "を", "は", "コマンド", "オプション", "です", "、", "。", "ユーザー", "画面"]
+
+
+def toy_prompts(n: int, seed: int = 0) -> list[str]:
+    """A toy distribution: `n` distinct runs of 2-5 common words."""
+    rng, prompts = random.Random(seed), {}
+    while len(prompts) < n:
+        prompts["".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))] = None
+    return list(prompts)
+
+
+PROMPTS = toy_prompts(200)
+QUICK = dict(new_tokens=12, max_steps=4, batch_size=8, eval_count=2, eval_new_tokens=8, modes=("greedy",),
+             progress=False)
+
+
+@pytest.fixture
+def pair(sp_tokenizer, bpe_tokenizer):
+    """A fresh random target and draft for each test (training changes neither: distill trains a copy)."""
+    return (tiny_llama(sp_tokenizer, seed=0), sp_tokenizer), (tiny_neox(bpe_tokenizer), bpe_tokenizer)
+
+
+def test_distilled_draft_is_accepted_more_and_output_stays_the_targets(pair, tmp_path):
+    target, draft = pair
+    out = tmp_path / "draft"
+    report = distill(target, draft, PROMPTS, out, new_tokens=24, modes=("greedy",), max_steps=150, batch_size=16,
+                     learning_rate=1e-2, eval_count=8, eval_new_tokens=24, gen_batch=32, seed=0, progress=False)
+    before, after = report["evaluation"]["before"], report["evaluation"]["after"]
+    # measured: 0.00 -> 0.30 on the 8 held-out prompts (seed 0, 150 steps; the same with and without bf16 autocast)
+    assert before["token_acceptance"] < 0.05
+    assert after["token_acceptance"] >= before["token_acceptance"] + 0.2, report["evaluation"]
+    assert after["greedy_same_as_target"] == "8/8"
+    assert report["data"]["train_prompts"] == 192 and report["data"]["continuations"] == 192
+    assert report["training"]["steps"] == 150
+    assert report["training"]["last_logged_loss"] < report["training"]["first_logged_loss"] - 1
+    # The folder loads like any draft, its tokenizer with it; the report is beside the weights; nothing else is left.
+    assert json.loads((out / REPORT_FILE).read_text(encoding="utf-8")) == json.loads(json.dumps(report))
+    assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+    spec = XTokSpec(target, str(out))
+    assert spec.draft_tokenizer.get_vocab() == draft[1].get_vocab()
+    _, held = split_prompts(PROMPTS, None, DistillSettings(eval_count=8, seed=0))
+    model, tokenizer = target
+    for prompt in held[:4]:
+        result = spec.generate(prompt, max_new_tokens=16)
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        alone = model.generate(ids, attention_mask=ids.new_ones(ids.shape), do_sample=False, max_new_tokens=16,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        assert result.token_ids == alone[0, ids.shape[1]:].tolist()
+
+
+def test_the_prompt_is_out_of_the_loss(bpe_tokenizer):
+    records = [{"prompt": "設定ファイル", "continuation": "を表示する", "eos": True},
+               {"prompt": "画面", "continuation": "", "eos": False}]  # nothing to learn: dropped
+    (example,) = training_examples(bpe_tokenizer, records, 64)
+    ids, labels = example["input_ids"], example["labels"]
+    prompt_len = len(bpe_tokenizer("設定ファイル").input_ids)
+    assert ids[-1] == bpe_tokenizer.eos_token_id and labels[-1] == bpe_tokenizer.eos_token_id
+    assert labels[:prompt_len] == [-100] * prompt_len
+    learned = [i for i, label in zip(ids, labels, strict=True) if label != -100]
+    assert bpe_tokenizer.decode(learned[:-1]) == "を表示する"
+
+
+def test_continuations_cut_inside_a_character_lose_the_partial_character(sp_tokenizer):
+    import torch
+
+    class Scripted(torch.nn.Module):
+        """A 'model' whose generate appends fixed ids: 東 (3 byte tokens) then the first byte of 京."""
+
+        config = type("C", (), {"vocab_size": len(sp_tokenizer)})()
+        generation_config = type("G", (), {"eos_token_id": sp_tokenizer.eos_token_id})()
+
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(1, 1)
+
+        def generate(self, input_ids, **kwargs):
+            new = [sp_tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "東京".encode()[:4]]
+            return torch.cat([input_ids, torch.tensor([new] * len(input_ids))], dim=1)
+
+    (record,) = distill_module.continue_prompts(Scripted(), sp_tokenizer, ["設定"], "greedy", 4, 0)
+    assert record["continuation"] == "東" and record["cut"] and not record["eos"]
+
+
+def test_prompt_sources_and_their_errors(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("一つ目\n\n二つ目\n", encoding="utf-8")
+    assert read_prompts(text) == ["一つ目", "二つ目"]
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('{"prompt": "一"}\n{"text": "二", "x": 1}\n', encoding="utf-8")
+    assert read_prompts(str(lines)) == ["一", "二"]
+    lines.write_text('{"body": "一"}\n', encoding="utf-8")
+    with pytest.raises(XTokSpecError, match=r'p.jsonl:1: a JSON line needs a "prompt" or "text"'):
+        read_prompts(lines)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(XTokSpecError, match="empty.txt' has no prompts"):
+        read_prompts(empty)
+    with pytest.raises(XTokSpecError, match="has no prompts"):
+        read_prompts([])
+    with pytest.raises(XTokSpecError, match="cannot read the prompts file"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+def test_errors_come_before_any_model_loads(tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("xtokspec.spec.XTokSpec.__init__", no_loading)
+    with pytest.raises(XTokSpecError, match="has no prompts"):
+        distill("ja-target", "ja-draft-bpe", [], tmp_path / "a")
+    with pytest.raises(XTokSpecError, match="3 distinct prompts cannot keep 16 held out"):
+        distill("ja-target", "ja-draft-bpe", ["一", "二", "三"], tmp_path / "a")
+    with pytest.raises(XTokSpecError, match="no such model folder"):
+        distill("ja-target", str(tmp_path / "nowhere"), PROMPTS, tmp_path / "a")
+    existing = tmp_path / "taken"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(XTokSpecError, match="'.*taken' exists: choose another output folder, or pass overwrite=True"):
+        distill("ja-target", "ja-draft-bpe", PROMPTS, existing)
+    assert (existing / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "a.partial").exists() and not (tmp_path / "a").exists()
+
+
+def test_a_pair_that_cannot_be_bridged_is_refused(sp_tokenizer, tiny_target, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordy = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    with pytest.raises(XTokSpecError, match="draft tokenizer: cannot map its tokens to text"):
+        distill(tiny_target, (tiny_llama(wordy, layers=1), wordy), PROMPTS, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_without_peft_is_named(pair, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft fails as if it were not installed
+    with pytest.raises(XTokSpecError, match=r"lora=True \(--lora\) needs peft, which is not installed"):
+        distill(*pair, PROMPTS, tmp_path / "out", lora=True, **QUICK)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_trains_adapters_and_saves_a_plain_model(pair, tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "out"
+    report = distill(*pair, PROMPTS, out, lora=True, lora_rank=4, **QUICK)
+    assert report["training"]["lora"] and report["training"]["steps"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpt_neox" and not (out / "adapter_config.json").exists()
+    XTokSpec(pair[0], str(out)).generate(PROMPTS[0], max_new_tokens=4)
+
+
+def test_an_interrupted_run_resumes_without_generating_again(pair, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_train = distill_module.train_draft
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill_module, "train_draft", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(*pair, PROMPTS, out, **QUICK)
+    partial = tmp_path / "out.partial"
+    assert not out.exists() and (partial / "distill_data.jsonl").exists()
+    data = (partial / "distill_data.jsonl").read_text(encoding="utf-8")
+    assert len(data.splitlines()) == 198  # 200 prompts, 2 held out, greedy only
+    with pytest.raises(XTokSpecError, match="an interrupted run left .*out.partial': pass resume=True"):
+        distill(*pair, PROMPTS, out, **QUICK)
+    with pytest.raises(XTokSpecError, match="--resume: .* was started with other settings"):
+        distill(*pair, PROMPTS, out, resume=True, **{**QUICK, "new_tokens": 13})
+    monkeypatch.setattr(distill_module, "train_draft", real_train)
+    monkeypatch.setattr(distill_module, "continue_prompts", interrupted)  # the data is there: no generation
+    report = distill(*pair, PROMPTS, out, resume=True, **QUICK)
+    assert report["data"]["continuations"] == 198 and not partial.exists()
+    assert (out / "distill_data.jsonl").read_text(encoding="utf-8") == data
+
+
+def test_overwrite_replaces_the_folder_and_starts_over(pair, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    stale = tmp_path / "out.partial"
+    stale.mkdir()
+    (stale / "distill_data.jsonl").write_text('{"broken": \n')
+    report = distill(*pair, PROMPTS, out, overwrite=True, **QUICK)
+    assert report["training"]["steps"] == 4 and not (out / "old.txt").exists() and (out / REPORT_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_cli_distills_model_folders(pair, tmp_path, capsys):
+    (target, t_tok), (draft, d_tok) = pair
+    for name, model, tok in (("t", target, t_tok), ("d", draft, d_tok)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:40]) + "\n", encoding="utf-8")
+    args = ["distill", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--prompts", str(prompts),
+            "--out", str(tmp_path / "out"), "--new-tokens", "8", "--max-steps", "3", "--batch-size", "4",
+            "--eval-count", "2", "--eval-new-tokens", "6", "--modes", "greedy", "sampled", "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "76 continuations, 3 steps" in err and "greedy per-token acceptance on 2 held-out prompts" in err
+    report = json.loads((tmp_path / "out" / REPORT_FILE).read_text(encoding="utf-8"))
+    assert report["data"]["per_mode"] == {"greedy": 38, "sampled": 38}
+    assert main(args) == 2
+    assert "exists: choose another output folder, or pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args[args.index(str(prompts))], args[args.index(str(tmp_path / "out"))] = str(empty), str(tmp_path / "other")
+    assert main(args) == 2
+    assert "has no prompts" in capsys.readouterr().err
