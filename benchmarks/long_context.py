@@ -147,6 +147,7 @@ def main() -> None:
             alone = target_alone(*target, prompt, new_tokens)
             row = {"length": length, "new_tokens": new_tokens,
                    "alone": {k: v for k, v in alone.items() if k not in ("ids", "text")}}
+            rows.append(row)
             print(f"L={length} N={new_tokens}: target alone {alone['tokens_per_s']:.2f} tok/s, first token {alone['ttft_s']:.2f} s")
             for (label, window), spec in specs.items():
                 result = system(spec, prompt, new_tokens)
@@ -162,7 +163,12 @@ def main() -> None:
                       f"{result['ttft_s']:.2f} s ({result['ttft_ratio']:.2f}x the target's), {result['tokens_per_call']:.2f} "
                       f"tokens/call, caches {result['target_cache_mb']:.0f} + {result['draft_cache_mb']:.0f} MiB, "
                       f"equal {result['equal']} {result.get('divergence') or ''}")
-            rows.append(row)
+                write(args, rows)  # after every system: a long run stopped midway keeps what it measured
+    print(f"wrote {args.out}/results.md")
+
+
+def write(args, rows: list[dict]) -> None:
+    """results.json and results.md in `args.out`, for the rows measured so far."""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype, "target": args.target,
             "drafts": args.drafts, "torch": torch.__version__}
@@ -180,9 +186,9 @@ def main() -> None:
                              f"{r['ttft_s']:.2f} | {r['ttft_ratio']:.2f} | {r['tokens_per_call']:.2f} | "
                              f"{r['target_cache_mb']:.0f} | {r['draft_cache_mb']:.0f} | {equal(r)} |")
     speedups = [r["speedup"] for row in rows for name, r in row.items() if isinstance(r, dict) and name != "alone"]
-    lines += ["", f"median speed-up over all rows: {statistics.median(speedups):.2f}"]
+    if speedups:
+        lines += ["", f"median speed-up over all rows: {statistics.median(speedups):.2f}"]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}/results.md")
 
 
 if __name__ == "__main__":
