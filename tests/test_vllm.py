@@ -33,7 +33,14 @@ import torch
 from model_helpers import MODELS, load_fixture_model, load_tokenizer
 
 from xtokspec.types import Laps, XTokSpecError
-from xtokspec.vllm import RequestDraft, RequestTable, TextBridgeProposer, complete_prefix
+from xtokspec.vllm import (
+    RequestDraft,
+    RequestTable,
+    TextBridgeProposer,
+    complete_prefix,
+    draft_together,
+    prefill_tail,
+)
 
 K = 3
 EOS = 2  # the fixture target's
@@ -163,6 +170,56 @@ def test_complete_prefix_stops_before_an_unfinished_character(sp_tokenizer):
     assert complete_prefix(codec, text_ids) == len(text_ids)
 
 
+def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_prompts):
+    """`draft_together` over five requests (caches of different lengths, 1 to 5 uncached ids, one that drafts
+    an EOS) drafts the ids that drafting each alone drafts, and leaves each cache as drafting alone leaves it:
+    the same ids, cached keys and values within float32 rounding, and the same logits at the next step."""
+    from xtokspec.cache import ModelState
+    from xtokspec.models import eos_ids
+    from xtokspec.propose import ChainProposer
+
+    model, tokenizer = ja_draft_bpe
+    eos = eos_ids(model, tokenizer)
+    prompts = [ids for ids in (tokenizer(p)["input_ids"] for p in heldout_prompts) if len(ids) > 8][:5]
+    tails = [1, 3, 2, 5, 1]
+
+    def states():
+        out = []
+        for prompt, tail in zip(prompts, tails, strict=True):
+            state = ModelState(model, prompt[:-tail])
+            state.forward(keep=1)
+            state.extend(prompt[-tail:])
+            out.append(state)
+        return out
+
+    with torch.inference_mode():
+        alone = states()
+        expected = [ChainProposer(eos)._draft_greedy_on_device(state, 4)[0] for state in alone]
+        together = states()
+        eos_id = next(iter(eos))
+        drafted, _ = draft_together(model, together, 4, eos)
+        assert drafted == expected
+        # a drafted EOS ends its row's draft there, as in the greedy path (here row 1's second id is taken for one)
+        stop = {expected[1][1], eos_id}
+        stopped = states()
+        drafted, _ = draft_together(model, stopped, 4, stop)
+        for row, ids, state, prompt in zip(expected, drafted, stopped, prompts, strict=True):
+            end = next((n + 1 for n, token in enumerate(row) if token in stop), len(row))
+            assert ids == row[:end] and state.ids == prompt + ids and state.cached <= len(state.ids)
+        assert len(drafted[1]) <= 2
+        for a, b in zip(alone, together, strict=True):
+            assert a.ids == b.ids and a.cached == b.cached
+            for la, lb in zip(a.kv.cache.layers, b.kv.cache.layers, strict=True):
+                torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(la.values, lb.values, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.forward(keep=1), b.forward(keep=1), rtol=1e-4, atol=1e-4)
+    fresh = ModelState(model, prompts[0])
+    with pytest.raises(ValueError, match="prefill_tail"):
+        draft_together(model, [fresh], 2, eos)
+    prefill_tail(fresh)
+    assert fresh.cached == len(prompts[0]) - 1
+
+
 class Engine:
     """A stand-in for vLLM's loop around a proposer: each step verifies every running request's proposals
     greedily with the fixture target (one full forward), commits accepted + bonus ids, and calls `propose` with
@@ -249,6 +306,22 @@ def test_proposals_follow_each_request_however_rows_move(ja_target, heldout_prom
         assert moved.proposals[n] == fixed.proposals[n], n
     assert moved_proposer.stats.new_states == len(prompts)  # no request lost its state
     assert moved_proposer.states <= len(prompts)
+    assert moved_proposer.stats.batched_forwards > 0  # the requests' drafts ran together
+
+
+@pytest.mark.slow
+def test_batched_and_one_at_a_time_drafting_propose_the_same(ja_target, heldout_prompts):
+    """The same four requests through the simulated engine with drafts batched across requests and with one
+    draft forward per request: the same proposals, step for step."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[3:7]]
+    batched = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+    single = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_batched_drafts": False}))
+    runs = [Engine(model, proposer, prompts, 24) for proposer in (batched, single)]
+    outputs = [run.run() for run in runs]
+    assert outputs[0] == outputs[1]
+    assert runs[0].proposals == runs[1].proposals
+    assert batched.stats.batched_forwards > 0 and single.stats.batched_forwards == 0
 
 
 @pytest.mark.slow

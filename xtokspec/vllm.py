@@ -45,11 +45,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from .bridge import TextSync
 from .cache import ModelState
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
-from .kv import context_limit
+from .kv import context_limit, sliding_layers, to_device
 from .mapping import SameVocab, TextBridge
 from .models import eos_ids, load
 from .propose import ChainProposer
@@ -61,6 +62,8 @@ DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder
 DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
 DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
 LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.draft_lookbehind's default)
+BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
+LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
 
 
 # ---------------------------------------------------------------------------------------------- request matching
@@ -158,20 +161,30 @@ class RequestDraft:
         self.mapper.commit(self.state, self.drafted, new_ids)
         self.drafted = []
 
-    def propose(self, k: int, room: int, laps: Laps) -> list[int]:
-        """Draft k ids greedily -> at most `room` target ids."""
+    def prepare(self, k: int, room: int) -> int:
+        """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""
         owner, state = self.owner, self.state
         self.draft_steps = 0
         if not state.ids or room <= 0:
-            return []
+            return 0
         if len(state.ids) + k + 1 > owner.draft_limit:  # keep the draft's most recent half of its context
             self.mapper.slide(state, len(state.ids) - owner.draft_limit // 2)
-        k = min(k, owner.draft_limit - len(state.ids) - 1)
+        return max(0, min(k, owner.draft_limit - len(state.ids) - 1))
+
+    def propose(self, k: int, room: int, laps: Laps) -> list[int]:
+        """Draft k ids greedily, this request alone -> at most `room` target ids."""
+        k = self.prepare(k, room)
         if k <= 0:
             return []
-        proposal = owner.chain.propose(state, k, self.mapper, room, laps)
+        proposal = self.owner.chain.propose(self.state, k, self.mapper, room, laps)
         self.drafted, self.draft_steps = proposal.draft_ids, proposal.draft_steps
         return proposal.target_ids
+
+    def finish(self, drafted: list[int], room: int) -> list[int]:
+        """Map ids drafted by `draft_together` (in the draft's ids and cache already) -> at most `room` target ids."""
+        eos = bool(drafted) and drafted[-1] in self.owner.chain.draft_eos
+        self.drafted, self.draft_steps = drafted, len(drafted)
+        return self.mapper.to_target(drafted, [], eos)[0][: max(0, room)]
 
 
 def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
@@ -188,6 +201,87 @@ def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- batched drafting
+def prefill_tail(state: ModelState) -> None:
+    """Feed all of the state's uncached ids but the last (whose logits drafting needs), without logits."""
+    if state.cached >= len(state.ids):  # all cached (after a rollback): the last one is fed again
+        state._rollback(len(state.ids) - 1)
+    new = state.ids[state.cached : -1]
+    if new:
+        state._forward(state.model, to_device([new], state.device), logits_to_keep=1)
+        state.kv.advance(len(new))
+
+
+@torch.inference_mode()
+def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int]) -> tuple[list[list[int]], float]:
+    """k ids drafted greedily for every state, one batched forward per drafted position -> (each state's ids
+    (stopped after a drafted EOS), appended to its ids with its cache covering all but the last, as
+    `ChainProposer` leaves a single state; the seconds spent copying caches into the batch and back).
+
+    The states' caches (transformers DynamicCaches of full-attention layers, each request its own length) are
+    copied side by side into one batched cache, left-padded: row i holds its c_i cached positions right-aligned
+    in the first C = max c_i columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention
+    mask hides the padding and position ids carry each row's own positions. The k - 1 further forwards add one
+    column each. Afterwards each state's cache gets its own new columns (its uncached ids and the drafted ones)
+    appended; the batched cache is dropped. Every state needs a cached position (else its padding queries
+    would see nothing) and an uncached id: `prefill_tail` leaves both where a state has two ids; rows with long
+    uncached tails should be prefilled so too (every row pays for T columns)."""
+    device = states[0].device
+    if any(state.cached < 1 or state.cached >= len(state.ids) for state in states):
+        raise ValueError("draft_together needs every state with cached ids and an uncached one (prefill_tail)")
+    t0 = time.perf_counter()
+    cached = [state.cached for state in states]
+    tails = [state.ids[c:] for state, c in zip(states, cached, strict=True)]
+    rows, width, depth = len(states), max(cached), max(len(t) for t in tails)
+    batch = DynamicCache()
+    if width:
+        reference = next(s.kv.cache for s, c in zip(states, cached, strict=True) if c)
+        for layer_idx, layer in enumerate(reference.layers):
+            shape = (rows, layer.keys.shape[1], width, layer.keys.shape[3])
+            keys, values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
+            for r, (state, c) in enumerate(zip(states, cached, strict=True)):
+                if c:
+                    own = state.kv.cache.layers[layer_idx]
+                    keys[r, :, width - c :], values[r, :, width - c :] = own.keys[0], own.values[0]
+            batch.update(keys, values, layer_idx)
+    mask = torch.zeros(rows, width + depth + k - 1, dtype=torch.long)
+    input_ids = torch.zeros(rows, depth, dtype=torch.long)
+    positions = torch.zeros(rows, depth, dtype=torch.long)
+    for r, (c, tail) in enumerate(zip(cached, tails, strict=True)):
+        mask[r, width - c : width] = 1
+        mask[r, width + depth - len(tail) :] = 1
+        input_ids[r, depth - len(tail) :] = torch.tensor(tail)
+        positions[r, depth - len(tail) :] = torch.arange(c, c + len(tail))
+    mask, input_ids, positions = mask.to(device), input_ids.to(device), positions.to(device)
+    copy_s = time.perf_counter() - t0
+    keyword = states[0].cache_keyword
+    logits = model(input_ids=input_ids, attention_mask=mask[:, : width + depth], position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **{keyword: batch}).logits[:, -1]  # (B, Vd)
+    token = torch.argmax(logits, dim=-1)  # (B,)
+    tokens, position = [token], positions[:, -1:]
+    for step in range(1, k):
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask[:, : width + depth + step],
+                       position_ids=position, use_cache=True, **{keyword: batch}).logits[:, -1]
+        token = torch.argmax(logits, dim=-1)
+        tokens.append(token)
+    drafted = torch.stack(tokens, dim=1).tolist()  # the one transfer
+    t0 = time.perf_counter()
+    for layer_idx, layer in enumerate(batch.layers):  # each row's new columns onto its own cache
+        for r, (state, tail) in enumerate(zip(states, tails, strict=True)):
+            start = width + depth - len(tail)
+            state.kv.cache.update(layer.keys[r : r + 1, :, start:], layer.values[r : r + 1, :, start:], layer_idx)
+    out = []
+    for state, ids in zip(states, drafted, strict=True):
+        base = len(state.ids)
+        state.extend(ids)
+        end = next((n + 1 for n, token_id in enumerate(ids) if token_id in draft_eos), len(ids))
+        if end < len(ids):
+            state.truncate(base + end)  # past a drafted EOS: dropped, its cache positions too
+        out.append(ids[:end])
+    return out, copy_s + time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------------------------- the proposer
 @dataclass
 class ProposerStats:
@@ -196,7 +290,9 @@ class ProposerStats:
     calls: int = 0  # propose calls
     rows: int = 0  # rows that were given a chance to propose
     proposed: int = 0  # target ids proposed
-    draft_forwards: int = 0  # draft forwards (one per drafted id, per request)
+    draft_forwards: int = 0  # drafted ids (one forward per drafted id, per request, when not batched)
+    batched_forwards: int = 0  # forwards over several requests at once (draft_together)
+    copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
     draft_s: float = 0.0  # seconds in the draft's forwards
     bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
@@ -204,7 +300,7 @@ class ProposerStats:
 
     @property
     def total_s(self) -> float:
-        return self.draft_s + self.bridge_s + self.other_s
+        return self.draft_s + self.bridge_s + self.other_s + self.copy_s
 
 
 class TextBridgeProposer:
@@ -256,11 +352,14 @@ class TextBridgeProposer:
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
         self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer))
         max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        # batched drafting: not for drafts with sliding-window layers (their DynamicCache drops old positions)
+        self.batched = bool(extra.get(BATCHED_KEY, True)) and not sliding_layers(self.draft_model)
         self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs)
         self.stats = ProposerStats()
         TextBridgeProposer.instances.add(self)
-        log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s", draft, type(self.draft_model).__name__,
-                 dtype, self.k, "same tokenizer" if self.same_vocab else "text bridge")
+        log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s, %s", draft, type(self.draft_model).__name__,
+                 dtype, self.k, "same tokenizer" if self.same_vocab else "text bridge",
+                 "draft forwards batched across requests" if self.batched else "one draft forward per request")
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands over the target model here; the draft was loaded in the constructor."""
@@ -281,6 +380,8 @@ class TextBridgeProposer:
             rows.append(token_ids_cpu[r, :n] if sampled and n < self.max_model_len else None)
         assigned = self.table.assign(rows)
         out: list[list[int]] = [[] for _ in rows]
+        together: list[tuple[int, RequestDraft, int]] = []  # (row, its draft, room): drafted in one batch
+        alone: list[tuple[int, RequestDraft, int]] = []  # drafted one request at a time
         for r, hit in enumerate(assigned):
             if hit is None:
                 continue
@@ -291,16 +392,49 @@ class TextBridgeProposer:
                 stats.new_states += 1
             elif seen < len(row_ids) or entry.payload.drafted:
                 entry.payload.advance(row_ids[seen:])
+            request = entry.payload
+            room = min(self.k, self.max_model_len - len(row_ids) - 1)
+            stats.rows += 1
+            state = request.state
+            if self.batched and request.prepare(self.k, room) == self.k:
+                if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
+                    t1 = time.perf_counter()
+                    prefill_tail(state)  # a new request's prompt, or all ids cached: on its own, before the batch
+                    seconds = time.perf_counter() - t1
+                    stats.draft_s += seconds
+                    t0 += seconds  # not counted in other_s
+                if state.cached >= 1:
+                    together.append((r, request, room))
+                    continue
+            alone.append((r, request, room))
+        if len(together) == 1:  # nothing to batch with
+            alone += together
+            together = []
+        for r, request, room in alone:
             laps = Laps()
             stats.other_s += laps.start - t0
-            room = min(self.k, self.max_model_len - len(row_ids) - 1)
-            out[r] = entry.payload.propose(self.k, room, laps)
+            out[r] = request.propose(self.k, room, laps)
             stats.draft_s += laps.seconds["draft"]
             stats.bridge_s += laps.seconds["bridge"]
-            stats.draft_forwards += entry.payload.draft_steps
-            stats.rows += 1
+            stats.draft_forwards += request.draft_steps
             stats.proposed += len(out[r])
             t0 = time.perf_counter()
+        if together:
+            t1 = time.perf_counter()
+            stats.other_s += t1 - t0
+            drafted, copy_s = draft_together(self.draft_model, [request.state for _, request, _ in together],
+                                             self.k, self.chain.draft_eos)
+            t0 = time.perf_counter()
+            stats.draft_s += t0 - t1 - copy_s
+            stats.copy_s += copy_s
+            stats.batched_forwards += self.k
+            for (r, request, room), ids in zip(together, drafted, strict=True):
+                out[r] = request.finish(ids, room)
+                stats.draft_forwards += len(ids)
+                stats.proposed += len(out[r])
+            t1 = time.perf_counter()
+            stats.bridge_s += t1 - t0
+            t0 = t1
         stats.other_s += time.perf_counter() - t0
         stats.calls += 1
         return out
