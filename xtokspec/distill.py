@@ -251,9 +251,11 @@ def _require_peft():
 
 def train_draft(model, tokenizer, examples: list[dict], settings: DistillSettings, work: Path, *,
                 deadline: float | None = None, progress: bool = True, resume: bool = False,
-                extra_examples: Sequence[dict] = (), scheduler: str = "cosine", warmup_share: float = 0.05):
+                extra_examples: Sequence[dict] = (), scheduler: str = "cosine", scheduler_kwargs: dict | None = None,
+                warmup_share: float = 0.05):
     """Fine-tune `model` (float32 weights) on `examples` (+ `extra_examples`, e.g. plain corpus rows) with
-    transformers' Trainer: AdamW (betas 0.9 / 0.95, weight decay 0.01), warmup then `scheduler` decay, gradient
+    transformers' Trainer: AdamW (betas 0.9 / 0.95, weight decay 0.01), warmup then `scheduler` decay (a Trainer
+    lr_scheduler_type, with `scheduler_kwargs`), gradient
     clipping at 1.0, bfloat16 autocast where the hardware has it; checkpoints in `work/checkpoints` (resumed from
     with `resume`). Stops at settings.max_steps or at `deadline` (time.monotonic()). Returns (the trained model,
     with LoRA adapters merged; a summary dict)."""
@@ -291,7 +293,7 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
     checkpoints = work / "checkpoints"
     args = TrainingArguments(
         output_dir=str(checkpoints), max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
-        learning_rate=settings.learning_rate, lr_scheduler_type=scheduler,
+        learning_rate=settings.learning_rate, lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs or {},
         warmup_steps=max(1, int(warmup_share * settings.max_steps)), weight_decay=0.01, adam_beta1=0.9,
         adam_beta2=0.95, max_grad_norm=1.0, bf16=bf16, logging_steps=max(1, settings.max_steps // 20),
         save_strategy="steps", save_steps=max(10, settings.max_steps // 5), save_total_limit=1,
