@@ -11,6 +11,8 @@ target-alone cycles is checked in test_stats.py (D3).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from policies import alone as alone_cycle
@@ -105,6 +107,23 @@ def test_policy_switches_back_when_a_probe_finds_drafting_cheaper_and_probes_ear
             drafted_cycles(p, 1, 1, 0.030)
     assert pattern.startswith("AAD" + "DDDDD")  # one probe that wins is enough (the decayed sums follow it)
     assert "DAAD" in pattern[8:]  # once drafting loses again, the first run of target-alone cycles is 2 long
+
+
+def test_a_later_generation_probes_only_once_the_alone_time_covers_the_drafts_prefill():
+    """A generation that starts alone on the carried-over costs would feed the draft its whole context at its
+    first probe: that probe waits for 1 / PROBE_BUDGET times the measured prefill of target-alone time."""
+    first = policy(first_alone=True)
+    assert first.run_alone()
+    first.observe(drafted(3, 3, 0, 0.060, None))  # the draft's prefill: 60 ms of drafting (verify_s None: prefill)
+    drafted_cycles(first, 3, 1, 0.030)  # 30 ms a token drafting, 10 ms alone
+    assert first.drafting.prefill_seconds == pytest.approx(0.060)
+    free = dataclasses.replace(first.drafting, prefill_seconds=0.0)  # the control: a prefill that costs nothing
+    later = Fallback(SpecConfig(), first.alone_times.copy(), first.drafting)  # the next generation, same XTokSpec
+    runs = alone_runs(later, 200, 0.010, 1, 0.030)
+    # 5% of 120 target-alone cycles of 10 ms is the 60 ms prefill: no probe before
+    assert runs[0] == 120 and len(runs) > 1
+    control = Fallback(SpecConfig(), first.alone_times.copy(), free)
+    assert alone_runs(control, 40, 0.010, 1, 0.030)[0] == Fallback.PROBE_DRAFT_FIRST  # the schedule as it was
 
 
 @pytest.mark.parametrize("config", [dict(fallback=False), dict(adaptive=False)], ids=["fallback-off", "fixed-k"])

@@ -186,6 +186,9 @@ class DraftingCost:
     weight: float = 0.0  # the decayed count of cycles in the sums
     cycles: int = 0
     alone_run: int = 2  # target-alone cycles before the next drafted probe (Fallback.PROBE_DRAFT_FIRST)
+    # the draft and bridge seconds of the last drafted cycle that fed the draft its whole context (a generation's
+    # first drafted cycle: the draft's prefill of its window of the prompt)
+    prefill_seconds: float = 0.0
 
 
 class Fallback:
@@ -217,12 +220,17 @@ class Fallback:
         self.since_draft = 0  # target-alone cycles since the last drafted one
         self.since_alone = 0  # drafted cycles since the last target-alone one
         self.probing = False  # the last drafted cycle was a probe
+        self.draft_fed = False  # a drafted cycle of this generation has fed the draft its context
 
     def observe(self, cycle: CycleRecord) -> None:
         """One cycle's committed tokens and seconds, from start to commit (not a prefilling one: its time is the
         prompt's)."""
         if cycle.prefill:
+            if not cycle.alone:
+                self.drafting.prefill_seconds = cycle.draft_s + cycle.bridge_s
+                self.draft_fed = True
             return
+        self.draft_fed = self.draft_fed or not cycle.alone
         if cycle.alone:
             self.alone_times.append(cycle.verify_s)
             self.since_draft += 1
@@ -244,7 +252,10 @@ class Fallback:
         acceptance change) after `alone_run` of them: PROBE_DRAFT_FIRST, doubled after each probe that leaves the
         target alone cheaper, up to `_probe_cap()`, and back to the first once drafting wins. The drafting costs
         and the schedule carry over between generations with the same settings (DraftingCost): a later
-        generation may start with the target alone."""
+        generation may start with the target alone. Its first probe would also feed the draft its context (a
+        prefill that can cost more than the whole generation where the draft is no cheaper than the target): that
+        probe waits until the target-alone time since the last drafted cycle is 1 / PROBE_BUDGET times the last
+        measured such prefill."""
         cost = self.drafting
         if self.first_alone:
             self.first_alone = False
@@ -253,10 +264,11 @@ class Fallback:
             return False
         if not self.alone_times or self.since_alone >= self.PROBE_ALONE_EVERY:
             return True
-        if 0 < self.since_draft and self.since_draft >= cost.alone_run:
+        step = statistics.median(self.alone_times)
+        if 0 < self.since_draft and self.since_draft >= cost.alone_run and (
+                self.draft_fed or cost.prefill_seconds <= self.PROBE_BUDGET * step * self.since_draft):
             self.probing = True
             return False
-        step = statistics.median(self.alone_times)
         alone = step * cost.tokens < cost.seconds
         if self.probing and self.since_draft == 0:  # the probe has been measured
             self.probing = False
