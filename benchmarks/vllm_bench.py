@@ -197,6 +197,59 @@ def preload_openmp() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
+def load_prompts(name: str, count: int) -> list[str]:
+    """The preset's first `count` prompts (real: held-out lines of 40 to 120 characters)."""
+    file = "heldout.txt" if name == "real" else "prompts.txt"
+    lines = (ROOT / "fixtures" / "data" / file).read_text(encoding="utf-8").splitlines()
+    return [line for line in lines if (40 <= len(line) <= 120 if name == "real" else line)][:count]
+
+
+def divergences(path: Path) -> dict:
+    """`--margins`: for every request whose output differs from the target alone's in a results.json, the target's
+    logit gap (in transformers, teacher-forced on the prompt and the common prefix) between the two tokens at the
+    first position where they differ. A gap near 0 is a floating-point near-tie (vLLM's kernels verify K + 1
+    tokens in one step and one token without speculation); a large one would be a bug. Written into the file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if "target" not in data:  # a file written before these keys: the preset its header names
+        name = "real" if "real pair" in data["header"] else "fixtures"
+        chosen = preset(name, 3)
+        data["target"], data["dtype"] = chosen["target"], chosen["dtype"]
+        data["prompts"] = load_prompts(name, len(data["results"][0]["batch1"]["outputs"]))
+    target, dtype = data["target"], data["dtype"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+    alone = next(r for r in data["results"] if r["system"] == "alone")
+    found = {}
+    with torch.inference_mode():
+        for result in data["results"]:
+            for batch in (1, 8):
+                gaps = []
+                for n, (ref, out) in enumerate(zip(alone[f"batch{batch}"]["outputs"], result[f"batch{batch}"]["outputs"],
+                                                   strict=True)):
+                    if ref == out:
+                        continue
+                    at = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
+                    if at == min(len(ref), len(out)):
+                        gaps.append({"request": n, "position": at, "note": "one output is a prefix of the other"})
+                        continue
+                    ids = tokenizer(data["prompts"][n]).input_ids + ref[:at]
+                    logits = model(torch.tensor([ids])).logits[0, -1].float()
+                    gaps.append({"request": n, "position": at, "alone_token": ref[at], "token": out[at],
+                                 "gap": float(logits[ref[at]] - logits[out[at]]),
+                                 "top_gap": float(logits.max() - logits[out[at]])})
+                if gaps:
+                    found[f"{result['system']} batch {batch}"] = gaps
+                    print(f"{result['system']} batch {batch}: " + ", ".join(
+                        f"request {g['request']} at token {g['position']}: "
+                        + (f"logit gap {g['gap']:.3f}" if "gap" in g else g["note"]) for g in gaps), flush=True)
+    data["divergences"] = found
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return found
+
+
 def check_alone(model: str, dtype: str, new_tokens: int) -> None:
     """`--check-alone`: MODEL alone in vLLM, greedy, on 2 Japanese held-out prompts, checked by `sanity`."""
     from vllm import LLM
@@ -221,22 +274,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
     parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
+    parser.add_argument("--margins", type=Path, metavar="RESULTS", help="only measure where outputs in a "
+                        "results.json differ from the target alone's (`divergences`; transformers, no vLLM)")
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
     return parser
 
 
 def main() -> None:
-    preload_openmp()
     args = build_parser().parse_args()
+    if args.margins:
+        divergences(args.margins)
+        return
+    preload_openmp()
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     if args.check_alone:
         check_alone(args.check_alone, args.dtype, args.new_tokens)
         return
     chosen = preset(args.preset, args.k)
-    lines = (ROOT / "fixtures" / "data" / chosen["prompts"]).read_text(encoding="utf-8").splitlines()
-    prompts = [line for line in lines if 40 <= len(line) <= 120][: args.prompts] if args.preset == "real" else \
-        [line for line in lines if line][: args.prompts]
+    prompts = load_prompts(args.preset, args.prompts)
     names = args.systems.split(",") if args.systems else list(chosen["systems"])
     import vllm
 
@@ -252,8 +308,9 @@ def main() -> None:
         if args.out:  # after each system (a long run stopped midway keeps what it measured): results.json, with
             # every request's token ids, and table.md beside it
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"header": header, "command": command, "results": results}, indent=1),
-                                encoding="utf-8")
+            args.out.write_text(json.dumps({"header": header, "command": command, "target": chosen["target"],
+                                            "dtype": chosen["dtype"], "prompts": prompts, "results": results},
+                                           indent=1), encoding="utf-8")
             args.out.with_name("table.md").write_text(f"{header}\n\n`{command}`\n\n{table(results)}\n",
                                                       encoding="utf-8")
     print(header)

@@ -16,8 +16,10 @@ look at the target's random draws leaves greedy and sampled output exactly the t
 Per request the proposer keeps xtokspec's text state (`bridge.TextSync`, through `mapping.TextBridge`, or
 `mapping.SameVocab` when both tokenizers are one) and the draft's ids and KV cache (`cache.ModelState`), from
 step to step: each step commits the row's new target ids (the draft keeps the drafted ids whose bytes the
-committed text repeats and re-encodes only the rest) and drafts K ids greedily from there
-(`propose.ChainProposer`), one draft forward per request per drafted id.
+committed text repeats and re-encodes only the rest) and drafts K ids greedily from there: all running requests
+together, one batched forward per drafted position over their caches side by side (`draft_together`), or one
+request at a time (`propose.ChainProposer`) for a draft with sliding-window layers, a lone request, or with
+`additional_config["xtokspec_batched_drafts"] = False`.
 
 Finding a request's state again (`RequestTable`): vLLM's rows move (requests finish, are aborted, preempted and
 resumed), so a row is matched by its token ids, never by its position. A state remembers the ids it has seen;
