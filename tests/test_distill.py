@@ -235,3 +235,39 @@ def test_cli_distills_model_folders(pair, tmp_path, capsys):
     args[args.index(str(prompts))], args[args.index(str(tmp_path / "out"))] = str(empty), str(tmp_path / "other")
     assert main(args) == 2
     assert "has no prompts" in capsys.readouterr().err
+
+
+def test_token_level_targets_sit_where_both_tokenizations_start_a_token(bpe_tokenizer):
+    import math
+
+    from xtokspec.codec import TokenCodec
+
+    codec = TokenCodec(bpe_tokenizer, name="draft")
+    prompt, continuation = "ユーザーは", "ファイルを表示する"  # ja-bpe: ユーザーは | ファイル | を表示する
+    ids = bpe_tokenizer(prompt + continuation).input_ids
+    ends = [len(b"".join(codec.token_bytes[i] for i in ids[: n + 1])) - len(prompt.encode()) for n in range(len(ids))]
+    first = next(n for n, end in enumerate(ends) if end > 0)  # the first token of the continuation
+    assert ends[first - 1] == 0, "ja-bpe starts a token where the continuation starts"
+    second = first + 1
+    # The target's top ids at three offsets: where the draft's first and second continuation tokens start, and 1
+    # byte in (inside a character, where no draft token starts). Target ids 100-103 stand for draft ids 7, 8, 9.
+    target_to_draft = {100: 7, 101: 8, 103: 9}
+    top = [[0, [100, 102], [math.log(0.6), math.log(0.2)]],  # 102: no draft token of its bytes, left out
+           [ends[first], [101, 103], [math.log(0.5), math.log(0.3)]],
+           [1, [100], [0.0]]]
+    record = {"prompt": prompt, "continuation": continuation, "eos": False, "target_top": top}
+    (example,) = training_examples(bpe_tokenizer, [record], 64, codec, target_to_draft)
+    assert example["soft_pos"] == [first - 1, second - 1]  # the logits that predict those tokens
+    assert example["soft_ids"] == [[7], [8, 9]]
+    assert [p for row in example["soft_p"] for p in row] == pytest.approx([1.0, 0.5 / 0.8, 0.3 / 0.8])
+    assert "soft_pos" not in training_examples(bpe_tokenizer, [record], 64)[0]  # without the map: sequence-level
+
+
+def test_token_level_loss_trains_where_the_vocabularies_meet(pair, tmp_path):
+    report = distill(*pair, PROMPTS, tmp_path / "out", **{**QUICK, "max_steps": 20, "learning_rate": 1e-2},
+                     token_loss=1.0, token_top_k=8)
+    training = report["training"]
+    assert training["token_loss_weight"] == 1.0 and training["soft_positions"] > 100
+    assert training["token_loss_last"] < training["token_loss_first"]
+    data = (tmp_path / "out" / "distill_data.jsonl").read_text(encoding="utf-8").splitlines()
+    assert all(len(entry[1]) == 8 for line in data for entry in json.loads(line)["target_top"])

@@ -212,7 +212,8 @@ def _distill(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens, modes=tuple(args.modes), max_prompts=args.max_prompts,
             prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
-            lora_rank=args.lora_rank, eval_count=args.eval_count, eval_new_tokens=args.eval_new_tokens,
+            lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
+            eval_count=args.eval_count, eval_new_tokens=args.eval_new_tokens,
             eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype,
         )
     except KeyboardInterrupt:
@@ -277,6 +278,13 @@ def _add_distill_parser(sub) -> None:
     dis.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) and merge them into "
                      "the saved draft, instead of training every weight")
     dis.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank (with --lora)")
+    dis.add_argument("--token-loss", type=float, default=d.token_loss, metavar="WEIGHT",
+                     help="add a token-level cross-tokenizer loss with this weight: at each continuation position "
+                     "where both tokenizations start a token at the same byte, cross-entropy of the draft's next "
+                     "token against the target's top ids there that the draft has as one token of the same bytes "
+                     "(0: sequence-level alone)")
+    dis.add_argument("--token-top-k", type=int, default=d.token_top_k,
+                     help="target probabilities kept per position for --token-loss")
     dis.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per held-out prompt")
     dis.add_argument("--eval-temperature", type=float, default=d.eval_temperature,
                      help="temperature of the sampled evaluation (tokens per target call)")

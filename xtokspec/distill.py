@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -58,10 +59,12 @@ class DistillSettings:
     gen_batch: int = 16  # prompts per batched target generate
     max_steps: int = 200  # optimizer steps
     batch_size: int = 16  # sequences per step
-    learning_rate: float = 5e-4
+    learning_rate: float = 5e-5  # peak; pretrained drafts diverge at 5e-4 (Gemma-3-270M: loss 3.1 -> 17 in 2 steps)
     max_length: int = 256  # draft tokens per training sequence (longer ones are cut)
     lora: bool = False  # train LoRA adapters (peft) and merge them, instead of every weight
     lora_rank: int = 16
+    token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
+    token_top_k: int = 16  # target probabilities kept per position for it
     eval_count: int = 16  # held-out prompts split off the prompt source when no eval_prompts are given
     eval_new_tokens: int = 64
     eval_temperature: float = 0.7
@@ -72,7 +75,7 @@ class DistillSettings:
         if not self.modes or set(self.modes) - set(MODES):
             raise XTokSpecError(f"modes must be one or both of {MODES}, got {self.modes!r}")
         for name in ("new_tokens", "gen_batch", "max_steps", "batch_size", "max_length", "lora_rank",
-                     "eval_new_tokens"):
+                     "eval_new_tokens", "token_top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise XTokSpecError(f"{name} must be a positive integer, got {value!r}")
@@ -82,6 +85,8 @@ class DistillSettings:
             raise XTokSpecError(f"eval_count must be 0 or more, got {self.eval_count!r}")
         if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
             raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")
+        if not self.token_loss >= 0:
+            raise XTokSpecError(f"token_loss must be 0 or more, got {self.token_loss!r}")
         if not self.learning_rate > 0:
             raise XTokSpecError(f"learning_rate must be positive, got {self.learning_rate!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -155,10 +160,13 @@ def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: 
 # ---------------------------------------------------------------- phase 1: the target's continuations
 @torch.no_grad()
 def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_tokens: int, seed: int,
-                     codec=None) -> list[dict]:
+                     codec=None, top_k: int = 0) -> list[dict]:
     """The target's continuations of one batch of prompts (left-padded, one `generate` call): greedy, or sampled
     from its full distribution (T=1). -> records {"prompt", "continuation", "eos", "mode", "cut"}; "cut": the
-    continuation ended inside a UTF-8 character (or hit invalid UTF-8) and was cut there, without its EOS."""
+    continuation ended inside a UTF-8 character (or hit invalid UTF-8) and was cut there, without its EOS.
+    `top_k` > 0 adds "target_top": for each continuation token that starts inside the kept text, [its byte offset
+    in the continuation, the target's `top_k` likeliest next ids there, their log-probabilities] (one more forward
+    over the batch), for the token-level loss."""
     from .codec import TokenCodec
 
     codec = codec or TokenCodec(tokenizer, model.config.vocab_size, "target tokenizer")
@@ -173,23 +181,44 @@ def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_to
     torch.manual_seed(seed)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                          min_new_tokens=0, pad_token_id=pad, eos_token_id=sorted(eos) or None, **how)  # (B, T + n)
+    top = None
+    if top_k:
+        mask = torch.cat([attention_mask, torch.ones_like(out[:, width:])], dim=1)  # (B, T + n)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
+        logits = model(input_ids=out, attention_mask=mask, position_ids=positions).logits[:, width - 1 : -1]
+        top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # values, indices: (B, n, top_k)
     records = []
-    for prompt, new in zip(prompts, out[:, width:].tolist(), strict=True):
+    for row, (prompt, new) in enumerate(zip(prompts, out[:, width:].tolist(), strict=True)):
         ended = next((n for n, i in enumerate(new) if i in eos), None)
         new = new if ended is None else new[:ended]
         data = codec.bytes_of(new)
         valid = utf8_valid_prefix_len(data)
         cut = valid < len(data)
-        records.append({"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
-                        "eos": ended is not None and not cut, "mode": mode, "cut": cut})
+        record = {"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
+                  "eos": ended is not None and not cut, "mode": mode, "cut": cut}
+        if top is not None:
+            record["target_top"], offset = [], 0
+            for j, token in enumerate(new):
+                if offset >= valid:
+                    break
+                record["target_top"].append([offset, top.indices[row, j].tolist(),
+                                             [round(v, 4) for v in top.values[row, j].tolist()]])
+                offset += len(codec.token_bytes[token])
+        records.append(record)
     return records
 
 
 # ---------------------------------------------------------------- phase 2: training
-def training_examples(tokenizer, records: Sequence[dict], max_length: int) -> list[dict]:
+def training_examples(tokenizer, records: Sequence[dict], max_length: int, codec=None,
+                      target_to_draft: dict[int, int] | None = None) -> list[dict]:
     """Each record's prompt + continuation in the draft's tokenization (its BOS where it adds one; its EOS where
     the target ended), with the labels of every token that covers prompt characters set to -100 (out of the loss).
-    Records with nothing left to learn are dropped."""
+    Records with nothing left to learn are dropped.
+
+    With the draft's `codec` and `target_to_draft` (target id -> the draft id of the same bytes: the intersection
+    of the vocabularies) and records that have "target_top": "soft" targets for the token-level loss, at each
+    continuation position where both tokenizations start a token at the same byte: the target's top ids there
+    that the draft has, as draft ids, with their probabilities renormalised over those ids."""
     eos = tokenizer.eos_token_id
     examples = []
     for r in records:
@@ -203,8 +232,38 @@ def training_examples(tokenizer, records: Sequence[dict], max_length: int) -> li
         labels = [i if a >= start and b > a else -100 for i, (a, b) in zip(ids, offsets, strict=True)]
         ids, labels = ids[:max_length], labels[:max_length]
         if any(label != -100 for label in labels[1:]):  # the first position is never predicted
-            examples.append({"input_ids": ids, "labels": labels})
+            example = {"input_ids": ids, "labels": labels}
+            if codec is not None and target_to_draft is not None and "target_top" in r:
+                example.update(_soft_targets(codec, target_to_draft, r, ids, labels))
+            examples.append(example)
     return examples
+
+
+def _soft_targets(codec, target_to_draft: dict[int, int], record: dict, ids: list[int], labels: list[int]) -> dict:
+    """{"soft_pos": logit positions, "soft_ids": draft ids at each, "soft_p": their target probabilities} for one
+    example (see training_examples); none where the draft's tokens do not spell the text byte for byte."""
+    soft = {"soft_pos": [], "soft_ids": [], "soft_p": []}
+    text = (record["prompt"] + record["continuation"]).encode("utf-8")
+    pieces = [codec.token_bytes[i] for i in ids]  # special tokens (BOS, EOS) stand for no bytes
+    if not text.startswith(b"".join(pieces)):
+        return soft  # a normalizer, a dummy prefix or an <unk>: no byte-exact boundaries
+    starts, offset = [], -len(record["prompt"].encode("utf-8"))  # offsets in the continuation's bytes
+    for piece in pieces:
+        starts.append(offset)
+        offset += len(piece)
+    by_offset = {entry[0]: entry for entry in record["target_top"]}
+    for i in range(1, len(ids)):
+        entry = by_offset.get(starts[i]) if labels[i] != -100 and pieces[i] else None
+        if entry is None:
+            continue
+        pairs = [(target_to_draft[t], lp) for t, lp in zip(entry[1], entry[2], strict=True) if t in target_to_draft]
+        if not pairs:
+            continue
+        total = sum(math.exp(lp) for _, lp in pairs)
+        soft["soft_pos"].append(i - 1)
+        soft["soft_ids"].append([d for d, _ in pairs])
+        soft["soft_p"].append([math.exp(lp) / total for _, lp in pairs])
+    return soft
 
 
 class _Collate:
@@ -216,11 +275,37 @@ class _Collate:
     def __call__(self, batch: list[dict]) -> dict:
         width = max(len(b["input_ids"]) for b in batch)
         pad = [width - len(b["input_ids"]) for b in batch]
-        return {
+        out = {
             "input_ids": torch.tensor([b["input_ids"] + [self.pad_id] * n for b, n in zip(batch, pad, strict=True)]),
             "labels": torch.tensor([b["labels"] + [-100] * n for b, n in zip(batch, pad, strict=True)]),
             "attention_mask": torch.tensor([[1] * len(b["input_ids"]) + [0] * n for b, n in zip(batch, pad, strict=True)]),
         }
+        if any(b.get("soft_pos") for b in batch):  # the token-level loss's targets, padded: (B, M) and (B, M, K)
+            m = max(len(b.get("soft_pos", ())) for b in batch)
+            k = max((len(ids) for b in batch for ids in b.get("soft_ids", ())), default=1)
+            out["soft_pos"] = torch.full((len(batch), m), -1)
+            out["soft_ids"] = torch.full((len(batch), m, k), -1)
+            out["soft_p"] = torch.zeros(len(batch), m, k)
+            for row, b in enumerate(batch):
+                for col, (pos, ids, p) in enumerate(zip(b.get("soft_pos", ()), b.get("soft_ids", ()),
+                                                        b.get("soft_p", ()), strict=True)):
+                    out["soft_pos"][row, col] = pos
+                    out["soft_ids"][row, col, : len(ids)] = torch.tensor(ids)
+                    out["soft_p"][row, col, : len(p)] = torch.tensor(p)
+        return out
+
+
+def soft_loss(logits: torch.Tensor, soft_pos: torch.Tensor, soft_ids: torch.Tensor, soft_p: torch.Tensor) -> torch.Tensor:
+    """The token-level loss: cross-entropy of the draft's next-token distributions (logits (B, T, V)) against the
+    target's mapped ones (soft_ids, soft_p: (B, M, K); soft_pos (B, M), -1 for none), averaged over positions;
+    KL(p || q) up to the target's entropy, which does not depend on the draft."""
+    rows, cols = (soft_pos >= 0).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return logits.sum() * 0.0
+    log_q = torch.log_softmax(logits[rows, soft_pos[rows, cols]].float(), dim=-1)  # (N, V)
+    ids = soft_ids[rows, cols]  # (N, K)
+    picked = log_q.gather(-1, ids.clamp(min=0)) * (ids >= 0)
+    return -(soft_p[rows, cols] * picked).sum(-1).mean()
 
 
 def bf16_available(device: torch.device) -> bool:
@@ -288,6 +373,21 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
                 control.should_save = True
             return control
 
+    token_losses: list[float] = []
+
+    class TokenLossTrainer(Trainer):
+        """Trainer whose loss adds settings.token_loss x the token-level loss (soft_loss) where a batch has targets."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            soft = {key: inputs.pop(key) for key in ("soft_pos", "soft_ids", "soft_p") if key in inputs}
+            outputs = model(**inputs)
+            loss = outputs.loss
+            if soft:
+                extra = soft_loss(outputs.logits, **soft)
+                token_losses.append(extra.item())
+                loss = loss + settings.token_loss * extra
+            return (loss, outputs) if return_outputs else loss
+
     device = input_device(model)
     bf16 = bf16_available(device)
     checkpoints = work / "checkpoints"
@@ -301,7 +401,8 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
         use_cpu=device.type == "cpu", dataloader_num_workers=0, remove_unused_columns=False,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=_Collate(pad), callbacks=[Budget()])
+    kind = TokenLossTrainer if settings.token_loss > 0 else Trainer
+    trainer = kind(model=model, args=args, train_dataset=Rows(), data_collator=_Collate(pad), callbacks=[Budget()])
     last = None
     if resume and checkpoints.is_dir():
         found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
@@ -313,7 +414,10 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
                "stopped_by_time": Budget.stopped_early, "resumed_from": last, "bf16": bf16, "lora": settings.lora,
                "rows": len(rows), "distilled_rows": len(examples), "extra_rows": len(extra_examples),
                "first_logged_loss": losses[0] if losses else None, "last_logged_loss": losses[-1] if losses else None,
-               "train_loss": result.training_loss}
+               "train_loss": result.training_loss, "token_loss_weight": settings.token_loss,
+               "token_loss_first": token_losses[0] if token_losses else None,
+               "token_loss_last": token_losses[-1] if token_losses else None,
+               "soft_positions": sum(len(r.get("soft_pos", ())) for r in rows)}
     if settings.lora:
         model = model.merge_and_unload()
     model.eval()
@@ -513,7 +617,8 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
                         stopped = True
                         break
                     new = continue_prompts(t_model, t_tok, [train_prompts[i] for i in todo], mode, settings.new_tokens,
-                                           settings.seed * 1_000_003 + b * len(MODES) + m, spec.target)
+                                           settings.seed * 1_000_003 + b * len(MODES) + m, spec.target,
+                                           settings.token_top_k if settings.token_loss > 0 else 0)
                     for i, r in zip(todo, new, strict=True):
                         r["index"] = i
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -533,7 +638,10 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
     torch.manual_seed(settings.seed)
     keep_dtype = d_model.dtype
     student = copy.deepcopy(d_model).to(torch.float32).train()
-    examples = training_examples(d_tok, records, settings.max_length)
+    target_to_draft = None
+    if settings.token_loss > 0:  # the intersection of the vocabularies: ids of the same bytes in both
+        target_to_draft = {t: d for d, t in enumerate(spec.vocab_maps.token_map.draft_to_target) if t >= 0}
+    examples = training_examples(d_tok, records, settings.max_length, spec.draft, target_to_draft)
     deadline = None if max_seconds is None else start + max_seconds
     _log(f"training on {len(examples)} sequences ({len(records)} continuations)", progress)
     student, train_summary = train_draft(student, d_tok, examples, settings, partial, deadline=deadline,
