@@ -11,7 +11,9 @@ Three phases, each resumable:
 2. Training: sequence-level distillation in the draft's own tokenization (which works for any pair): the draft
    learns prompt + continuation as its tokenizer writes it, the prompt's tokens masked out of the loss, with
    transformers' `Trainer` (bfloat16 autocast where the CPU or GPU has bfloat16 units); LoRA through peft as an
-   option.
+   option. Optionally a token-level loss as well (`token_loss`): where both tokenizations start a token at the
+   same byte, cross-entropy of the draft's next token against the target's top ids there, mapped to the draft's
+   ids of the same bytes (the intersection of the vocabularies, `mapping.VocabMaps.token_map`).
 3. Evaluation: on held-out prompts that training never saw, the draft before and after, through xtokspec's own
    decoder drafting every cycle: greedy per-token acceptance (`GenerationStats.token_acceptance`), tokens per
    target call at T=0.7, and the speed-up over the target alone, paired prompt by prompt in one run.
@@ -561,6 +563,9 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
             raise XTokSpecError(f"an interrupted run left {str(partial)!r}: pass resume=True (--resume) to continue "
                                 "it, or overwrite=True (--overwrite) to discard it and start over")
         shutil.rmtree(partial)
+    _require_trainer()
+    if settings.lora:
+        _require_peft()
     source = read_prompts(prompts)
     held = read_prompts(eval_prompts, "held-out prompts") if eval_prompts is not None else None
     train_prompts, held = split_prompts(source, held, settings)
@@ -569,7 +574,6 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
     identity = {"target": _name(target), "draft": _name(draft), "train_prompts": _hash(train_prompts),
                 "eval_prompts": _hash(held), "settings": {k: list(v) if isinstance(v, tuple) else v
                                                           for k, v in dataclasses.asdict(settings).items()}}
-    partial.mkdir(parents=True, exist_ok=True)
     settings_path = partial / SETTINGS_FILE
     if settings_path.exists():
         saved = json.loads(settings_path.read_text(encoding="utf-8"))
@@ -577,12 +581,9 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
             differ = sorted(k for k in identity if saved.get(k) != identity[k])
             raise XTokSpecError(f"--resume: {str(partial)!r} was started with other {', '.join(differ)}; rerun with "
                                 "the same ones, or pass overwrite=True (--overwrite) without resume to start over")
-    else:
-        settings_path.write_text(json.dumps(identity, ensure_ascii=False, indent=1), encoding="utf-8")
-    state_path = partial / STATE_FILE
-    state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.exists() else {}
 
-    # The pair is loaded and checked as xtokspec will run it (a tokenizer it cannot bridge is refused here).
+    # The pair is loaded and checked as xtokspec will run it (a tokenizer it cannot bridge is refused here, before
+    # anything is written).
     from .spec import XTokSpec
 
     _log(f"loading {identity['target']} and {identity['draft']}", progress)
@@ -590,6 +591,11 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
                     small_kwargs=_load_kwargs(settings.dtype, draft_device))
     t_model, t_tok = spec.target_model, spec.target_tokenizer
     d_model, d_tok = spec.draft_model, spec.draft_tokenizer
+    partial.mkdir(parents=True, exist_ok=True)
+    if not settings_path.exists():
+        settings_path.write_text(json.dumps(identity, ensure_ascii=False, indent=1), encoding="utf-8")
+    state_path = partial / STATE_FILE
+    state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.exists() else {}
 
     # Phase 1: data
     data_path = partial / DATA_FILE
