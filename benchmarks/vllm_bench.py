@@ -15,7 +15,7 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
   tokenizer); `tli` with SmolLM2-135M; `xtokspec_smollm2` and `xtokspec_gemma`, the proposer with SmolLM2-135M
   and with Gemma-3-270M (vLLM's TLI refuses Gemma-3 as a draft).
 
-`xtokspec_unbatched` / `xtokspec_smollm2_unbatched`: the proposer with one draft forward per request
+`xtokspec_unbatched`, `xtokspec_smollm2_unbatched`, `xtokspec_gemma_unbatched`: the proposer with one draft forward per request
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 
 Each is timed at batch 1 (the prompts one request at a time) and batch 8 (the prompts in requests of 8 submitted
@@ -79,6 +79,7 @@ def preset(name: str, k: int) -> dict:
         "xtokspec_smollm2": bridged(real("smollm2-135m")),
         "xtokspec_gemma": bridged(real("gemma-3-270m")),
         "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
+        "xtokspec_gemma_unbatched": bridged(real("gemma-3-270m"), batched=False),
     }}
 
 

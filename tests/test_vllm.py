@@ -220,6 +220,47 @@ def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_pr
     assert fresh.cached == len(prompts[0]) - 1
 
 
+def test_batched_drafting_with_a_sliding_window_draft_matches_one_request_at_a_time():
+    """A draft with sliding-window and full layers (a tiny random Gemma-3) drafts together what it drafts alone
+    while the batch fits its window, leaves each cache as drafting alone does, and refuses a batch past it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from xtokspec.cache import ModelState
+    from xtokspec.propose import ChainProposer
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=32,
+                              layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa")
+    model = Gemma3ForCausalLM(config).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 96) for _ in range(n)] for n in (9, 14, 6, 11)]
+    tails = [1, 3, 2, 4]
+
+    def states():
+        out = []
+        for prompt, tail in zip(prompts, tails, strict=True):
+            state = ModelState(model, prompt[:-tail])
+            state.forward(keep=1)
+            state.extend(prompt[-tail:])
+            out.append(state)
+        return out
+
+    with torch.inference_mode():
+        alone = states()
+        expected = [ChainProposer(set())._draft_greedy_on_device(state, 3)[0] for state in alone]
+        together = states()
+        drafted, _ = draft_together(model, together, 3, set(), window=32)
+        assert drafted == expected
+        for a, b in zip(alone, together, strict=True):
+            assert a.ids == b.ids and a.cached == b.cached
+            for la, lb in zip(a.kv.cache.layers, b.kv.cache.layers, strict=True):
+                torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.forward(keep=1), b.forward(keep=1), rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="sliding window"):
+            draft_together(model, states(), 20, set(), window=32)
+
+
 class Engine:
     """A stand-in for vLLM's loop around a proposer: each step verifies every running request's proposals
     greedily with the fixture target (one full forward), commits accepted + bonus ids, and calls `propose` with

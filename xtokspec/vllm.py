@@ -18,8 +18,8 @@ Per request the proposer keeps xtokspec's text state (`bridge.TextSync`, through
 step to step: each step commits the row's new target ids (the draft keeps the drafted ids whose bytes the
 committed text repeats and re-encodes only the rest) and drafts K ids greedily from there: all running requests
 together, one batched forward per drafted position over their caches side by side (`draft_together`), or one
-request at a time (`propose.ChainProposer`) for a draft with sliding-window layers, a lone request, or with
-`additional_config["xtokspec_batched_drafts"] = False`.
+request at a time (`propose.ChainProposer`) for a lone request, a request whose text outgrows a sliding-window
+draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`.
 
 Finding a request's state again (`RequestTable`): vLLM's rows move (requests finish, are aborted, preempted and
 resumed), so a row is matched by its token ids, never by its position. A state remembers the ids it has seen;
@@ -47,12 +47,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from .bridge import TextSync
 from .cache import ModelState
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
-from .kv import context_limit, sliding_layers, to_device
+from .kv import context_limit, dynamic_cache, sliding_layers, to_device
 from .mapping import SameVocab, TextBridge
 from .models import eos_ids, load
 from .propose import ChainProposer
@@ -215,17 +214,20 @@ def prefill_tail(state: ModelState) -> None:
 
 
 @torch.inference_mode()
-def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int]) -> tuple[list[list[int]], float]:
+def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
+                   window: int | None = None) -> tuple[list[list[int]], float]:
     """k ids drafted greedily for every state, one batched forward per drafted position -> (each state's ids
     (stopped after a drafted EOS), appended to its ids with its cache covering all but the last, as
     `ChainProposer` leaves a single state; the seconds spent copying caches into the batch and back).
 
-    The states' caches (transformers DynamicCaches of full-attention layers, each request its own length) are
+    The states' caches (transformers DynamicCaches, each request its own length) are
     copied side by side into one batched cache, left-padded: row i holds its c_i cached positions right-aligned
     in the first C = max c_i columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention
     mask hides the padding and position ids carry each row's own positions. The k - 1 further forwards add one
     column each. Afterwards each state's cache gets its own new columns (its uncached ids and the drafted ones)
-    appended; the batched cache is dropped. Every state needs a cached position (else its padding queries
+    appended; the batched cache is dropped. A draft with sliding-window layers (Gemma 2/3) batches while the
+    batch's columns fit in its window (`window`: then its sliding layers hold every position, as full ones do).
+    Every state needs a cached position (else its padding queries
     would see nothing) and an uncached id: `prefill_tail` leaves both where a state has two ids; rows with long
     uncached tails should be prefilled so too (every row pays for T columns)."""
     device = states[0].device
@@ -235,7 +237,9 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int])
     cached = [state.cached for state in states]
     tails = [state.ids[c:] for state, c in zip(states, cached, strict=True)]
     rows, width, depth = len(states), max(cached), max(len(t) for t in tails)
-    batch = DynamicCache()
+    if window is not None and width + depth + k - 1 > window - 1:
+        raise ValueError(f"a batch of {width + depth + k - 1} columns does not fit the draft's sliding window ({window})")
+    batch = dynamic_cache(model)
     if width:
         reference = next(s.kv.cache for s, c in zip(states, cached, strict=True) if c)
         for layer_idx, layer in enumerate(reference.layers):
@@ -244,6 +248,8 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int])
             for r, (state, c) in enumerate(zip(states, cached, strict=True)):
                 if c:
                     own = state.kv.cache.layers[layer_idx]
+                    if own.keys.shape[-2] != c:
+                        raise ValueError(f"a sliding layer keeps {own.keys.shape[-2]} of {c} positions: not batchable")
                     keys[r, :, width - c :], values[r, :, width - c :] = own.keys[0], own.values[0]
             batch.update(keys, values, layer_idx)
     mask = torch.zeros(rows, width + depth + k - 1, dtype=torch.long)
@@ -273,6 +279,8 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int])
         for r, (state, tail) in enumerate(zip(states, tails, strict=True)):
             start = width + depth - len(tail)
             state.kv.cache.update(layer.keys[r : r + 1, :, start:], layer.values[r : r + 1, :, start:], layer_idx)
+    for state, tail in zip(states, tails, strict=True):
+        state.kv.advance(len(tail) + k - 1)  # a sliding layer is cut back to its window (DynamicKV)
     out = []
     for state, ids in zip(states, drafted, strict=True):
         base = len(state.ids)
@@ -354,8 +362,12 @@ class TextBridgeProposer:
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
         self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer))
         max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
-        # batched drafting: not for drafts with sliding-window layers (their DynamicCache drops old positions)
-        self.batched = bool(extra.get(BATCHED_KEY, True)) and not sliding_layers(self.draft_model)
+        # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
+        sliding = sliding_layers(self.draft_model)
+        self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
+            if sliding else None
+        self.batched = bool(extra.get(BATCHED_KEY, True)) and (
+            not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
         self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs)
         self.stats = ProposerStats()
         TextBridgeProposer.instances.add(self)
@@ -405,7 +417,8 @@ class TextBridgeProposer:
                     seconds = time.perf_counter() - t1
                     stats.draft_s += seconds
                     t0 += seconds  # not counted in other_s
-                if state.cached >= 1:
+                fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
+                if state.cached >= 1 and fits:
                     together.append((r, request, room))
                     continue
             alone.append((r, request, room))
@@ -425,7 +438,7 @@ class TextBridgeProposer:
             t1 = time.perf_counter()
             stats.other_s += t1 - t0
             drafted, copy_s = draft_together(self.draft_model, [request.state for _, request, _ in together],
-                                             self.k, self.chain.draft_eos)
+                                             self.k, self.chain.draft_eos, self.window)
             t0 = time.perf_counter()
             stats.draft_s += t0 - t1 - copy_s
             stats.copy_s += copy_s
