@@ -220,16 +220,15 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
     (stopped after a drafted EOS), appended to its ids with its cache covering all but the last, as
     `ChainProposer` leaves a single state; the seconds spent copying caches into the batch and back).
 
-    The states' caches (transformers DynamicCaches, each request its own length) are
-    copied side by side into one batched cache, left-padded: row i holds its c_i cached positions right-aligned
-    in the first C = max c_i columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention
-    mask hides the padding and position ids carry each row's own positions. The k - 1 further forwards add one
-    column each. Afterwards each state's cache gets its own new columns (its uncached ids and the drafted ones)
-    appended; the batched cache is dropped. A draft with sliding-window layers (Gemma 2/3) batches while the
-    batch's columns fit in its window (`window`: then its sliding layers hold every position, as full ones do).
-    Every state needs a cached position (else its padding queries
-    would see nothing) and an uncached id: `prefill_tail` leaves both where a state has two ids; rows with long
-    uncached tails should be prefilled so too (every row pays for T columns)."""
+    The states' caches (transformers DynamicCaches, each request its own length) are copied side by side into
+    one batched cache, left-padded: row i holds its c_i cached positions right-aligned in the first C = max c_i
+    columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention mask hides the padding
+    and position ids carry each row's own positions. The k - 1 further forwards add one column each. Afterwards
+    each state's cache gets its own new columns (its uncached ids and the drafted ones) appended; the batched
+    cache is dropped. A draft with sliding-window layers (Gemma 2/3) batches while the batch's columns fit in its
+    window (`window`: then its sliding layers hold every position, as full ones do). Every state needs a cached
+    position (else its padding queries would see nothing) and an uncached id: `prefill_tail` leaves both where a
+    state has two ids; rows with long uncached tails should be prefilled so too (every row pays for T columns)."""
     device = states[0].device
     if any(state.cached < 1 or state.cached >= len(state.ids) for state in states):
         raise ValueError("draft_together needs every state with cached ids and an uncached one (prefill_tail)")
