@@ -271,3 +271,9 @@ def test_token_level_loss_trains_where_the_vocabularies_meet(pair, tmp_path):
     assert training["token_loss_last"] < training["token_loss_first"]
     data = (tmp_path / "out" / "distill_data.jsonl").read_text(encoding="utf-8").splitlines()
     assert all(len(entry[1]) == 8 for line in data for entry in json.loads(line)["target_top"])
+
+
+def test_a_time_budget_too_short_for_any_data_is_named(pair, tmp_path):
+    with pytest.raises(XTokSpecError, match="the time budget ended before the target continued any prompt"):
+        distill(*pair, PROMPTS, tmp_path / "out", max_seconds=1e-6, **QUICK)
+    assert not (tmp_path / "out").exists()
