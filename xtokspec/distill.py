@@ -21,15 +21,12 @@ Three phases, each resumable:
 The model is written into `<out>.partial/` (with the data, the settings and Trainer's checkpoints) and renamed
 to `out` at the end, so `out` never holds a half-written model; an interrupted run resumes from that folder.
 """
-
 from __future__ import annotations
 
 import copy
 import dataclasses
 import hashlib
 import json
-import math
-import os
 import random
 import shutil
 import time
@@ -38,392 +35,32 @@ from pathlib import Path
 
 import torch
 
-from .codec import utf8_valid_prefix_len
+from .distill_data import (
+    DATA_FILE,
+    MODES,
+    REPORT_FILE,
+    SETTINGS_FILE,
+    STATE_FILE,
+    DistillSettings,
+    continue_prompts,
+    read_prompts,
+    split_prompts,
+)
+from .distill_train import (
+    _require_peft,
+    _require_trainer,
+    bf16_available,
+    soft_loss,
+    train_draft,
+    training_examples,
+)
 from .kv import input_device
-from .models import check_source, cpu_has_bf16_matmul, eos_ids, load
+from .models import check_source, eos_ids, load
 from .types import SpecConfig, XTokSpecError
 
-REPORT_FILE = "distill_report.json"
-DATA_FILE = "distill_data.jsonl"
-SETTINGS_FILE = "settings.json"
-STATE_FILE = "state.json"
-MODES = ("greedy", "sampled")
-
-
-@dataclasses.dataclass
-class DistillSettings:
-    """What a run does; everything but the budget's seconds must match when a run resumes."""
-
-    new_tokens: int = 64  # target tokens per continuation
-    modes: tuple[str, ...] = MODES  # continuations per prompt: greedy, sampled (T=1, full distribution), or both
-    max_prompts: int | None = None  # training prompts used (None: all)
-    prompt_chars: tuple[int, int] | None = None  # cut each prompt to a seeded length in [min, max] characters
-    gen_batch: int = 16  # prompts per batched target generate
-    max_steps: int = 200  # optimizer steps
-    batch_size: int = 16  # sequences per step
-    learning_rate: float = 5e-5  # peak; pretrained drafts diverge at 5e-4 (Gemma-3-270M: loss 3.1 -> 17 in 2 steps)
-    max_length: int = 256  # draft tokens per training sequence (longer ones are cut)
-    lora: bool = False  # train LoRA adapters (peft) and merge them, instead of every weight
-    lora_rank: int = 16
-    token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
-    token_top_k: int = 16  # target probabilities kept per position for it
-    eval_count: int = 16  # held-out prompts split off the prompt source when no eval_prompts are given
-    eval_new_tokens: int = 64
-    eval_temperature: float = 0.7
-    seed: int = 0
-    dtype: str = "auto"  # both models' dtype for generation and evaluation ("auto": the checkpoint's own)
-
-    def check(self) -> None:
-        if not self.modes or set(self.modes) - set(MODES):
-            raise XTokSpecError(f"modes must be one or both of {MODES}, got {self.modes!r}")
-        for name in ("new_tokens", "gen_batch", "max_steps", "batch_size", "max_length", "lora_rank",
-                     "eval_new_tokens", "token_top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise XTokSpecError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_prompts is not None and self.max_prompts <= 0:
-            raise XTokSpecError(f"max_prompts must be a positive integer, got {self.max_prompts!r}")
-        if self.eval_count < 0:
-            raise XTokSpecError(f"eval_count must be 0 or more, got {self.eval_count!r}")
-        if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
-            raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")
-        if not self.token_loss >= 0:
-            raise XTokSpecError(f"token_loss must be 0 or more, got {self.token_loss!r}")
-        if not self.learning_rate > 0:
-            raise XTokSpecError(f"learning_rate must be positive, got {self.learning_rate!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise XTokSpecError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-
-
-# ---------------------------------------------------------------- prompts
-def read_prompts(source, what: str = "prompts") -> list[str]:
-    """Prompts from a list of strings, or from a file: a text file (one prompt per line) or JSON lines (.jsonl,
-    each an object with a "prompt" or "text" field). Empty lines are skipped; none left is an error."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise XTokSpecError(f"cannot read the {what} file {str(path)!r}: {err}") from None
-        if path.suffix == ".jsonl":
-            prompts = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise XTokSpecError(f"{path}:{n}: not JSON ({err})") from None
-                value = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
-                if not isinstance(value, str):
-                    raise XTokSpecError(f'{path}:{n}: a JSON line needs a "prompt" or "text" string field')
-                prompts.append(value)
-        else:
-            prompts = text.splitlines()
-        where = f"the {what} file {str(path)!r}"
-    else:
-        prompts = list(source)
-        if not all(isinstance(p, str) for p in prompts):
-            raise XTokSpecError(f"{what}: expected strings or a file path")
-        where = f"the {what} given"
-    prompts = [p for p in prompts if p.strip()]
-    if not prompts:
-        raise XTokSpecError(f"{where} has no prompts (no non-empty line)")
-    return prompts
-
-
-def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: DistillSettings
-                  ) -> tuple[list[str], list[str]]:
-    """(training prompts, held-out prompts): the held-out ones are `eval_prompts` when given, else
-    `settings.eval_count` prompts drawn (seeded) from the source; a training prompt never equals a held-out one."""
-    rng = random.Random(settings.seed)
-    order = list(dict.fromkeys(prompts))  # de-duplicated, first occurrence kept
-    rng.shuffle(order)
-    if eval_prompts is None:
-        if settings.eval_count and len(order) <= settings.eval_count:
-            raise XTokSpecError(f"{len(order)} distinct prompts cannot keep {settings.eval_count} held out and "
-                                "train on the rest: give more prompts, eval_prompts (--eval-prompts FILE), or a "
-                                "smaller eval_count (--eval-count)")
-        held, train = order[: settings.eval_count], order[settings.eval_count :]
-    else:
-        held = list(dict.fromkeys(eval_prompts))[: settings.eval_count or None] if settings.eval_count else []
-        train = [p for p in order if p not in set(eval_prompts)]
-        if not train:
-            raise XTokSpecError("every training prompt is also a held-out prompt: nothing is left to train on")
-    if settings.prompt_chars is not None:
-        lo, hi = settings.prompt_chars
-        train = [p[: rng.randint(lo, hi)] for p in train]
-        train = [p for p in dict.fromkeys(train) if p.strip() and p not in set(held)]
-    if settings.max_prompts is not None:
-        train = train[: settings.max_prompts]
-    return train, held
-
-
-# ---------------------------------------------------------------- phase 1: the target's continuations
-@torch.no_grad()
-def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_tokens: int, seed: int,
-                     codec=None, top_k: int = 0) -> list[dict]:
-    """The target's continuations of one batch of prompts (left-padded, one `generate` call): greedy, or sampled
-    from its full distribution (T=1). -> records {"prompt", "continuation", "eos", "mode", "cut"}; "cut": the
-    continuation ended inside a UTF-8 character (or hit invalid UTF-8) and was cut there, without its EOS.
-    `top_k` > 0 adds "target_top": for each continuation token that starts inside the kept text, [its byte offset
-    in the continuation, the target's `top_k` likeliest next ids there, their log-probabilities] (one more forward
-    over the batch), for the token-level loss."""
-    from .codec import TokenCodec
-
-    codec = codec or TokenCodec(tokenizer, model.config.vocab_size, "target tokenizer")
-    eos = eos_ids(model, tokenizer)
-    ids = [codec.encode_prompt(p) for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
-    width = max(map(len, ids))
-    device = input_device(model)
-    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids], device=device)  # (B, T)
-    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], device=device)
-    how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if mode == "sampled" else dict(do_sample=False)
-    torch.manual_seed(seed)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                         min_new_tokens=0, pad_token_id=pad, eos_token_id=sorted(eos) or None, **how)  # (B, T + n)
-    top = None
-    if top_k:
-        mask = torch.cat([attention_mask, torch.ones_like(out[:, width:])], dim=1)  # (B, T + n)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
-        logits = model(input_ids=out, attention_mask=mask, position_ids=positions).logits[:, width - 1 : -1]
-        top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # values, indices: (B, n, top_k)
-    records = []
-    for row, (prompt, new) in enumerate(zip(prompts, out[:, width:].tolist(), strict=True)):
-        ended = next((n for n, i in enumerate(new) if i in eos), None)
-        new = new if ended is None else new[:ended]
-        data = codec.bytes_of(new)
-        valid = utf8_valid_prefix_len(data)
-        cut = valid < len(data)
-        record = {"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
-                  "eos": ended is not None and not cut, "mode": mode, "cut": cut}
-        if top is not None:
-            record["target_top"], offset = [], 0
-            for j, token in enumerate(new):
-                if offset >= valid:
-                    break
-                record["target_top"].append([offset, top.indices[row, j].tolist(),
-                                             [round(v, 4) for v in top.values[row, j].tolist()]])
-                offset += len(codec.token_bytes[token])
-        records.append(record)
-    return records
-
-
-# ---------------------------------------------------------------- phase 2: training
-def training_examples(tokenizer, records: Sequence[dict], max_length: int, codec=None,
-                      target_to_draft: dict[int, int] | None = None) -> list[dict]:
-    """Each record's prompt + continuation in the draft's tokenization (its BOS where it adds one; its EOS where
-    the target ended), with the labels of every token that covers prompt characters set to -100 (out of the loss).
-    Records with nothing left to learn are dropped.
-
-    With the draft's `codec` and `target_to_draft` (target id -> the draft id of the same bytes: the intersection
-    of the vocabularies) and records that have "target_top": "soft" targets for the token-level loss, at each
-    continuation position where both tokenizations start a token at the same byte: the target's top ids there
-    that the draft has, as draft ids, with their probabilities renormalised over those ids."""
-    eos = tokenizer.eos_token_id
-    examples = []
-    for r in records:
-        text = r["prompt"] + r["continuation"]
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
-        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        if r["eos"] and eos is not None:
-            ids.append(eos)
-            offsets.append((len(text), len(text) + 1))
-        start = len(r["prompt"])
-        labels = [i if a >= start and b > a else -100 for i, (a, b) in zip(ids, offsets, strict=True)]
-        ids, labels = ids[:max_length], labels[:max_length]
-        if any(label != -100 for label in labels[1:]):  # the first position is never predicted
-            example = {"input_ids": ids, "labels": labels}
-            if codec is not None and target_to_draft is not None and "target_top" in r:
-                example.update(_soft_targets(codec, target_to_draft, r, ids, labels))
-            examples.append(example)
-    return examples
-
-
-def _soft_targets(codec, target_to_draft: dict[int, int], record: dict, ids: list[int], labels: list[int]) -> dict:
-    """{"soft_pos": logit positions, "soft_ids": draft ids at each, "soft_p": their target probabilities} for one
-    example (see training_examples); none where the draft's tokens do not spell the text byte for byte."""
-    soft = {"soft_pos": [], "soft_ids": [], "soft_p": []}
-    text = (record["prompt"] + record["continuation"]).encode("utf-8")
-    pieces = [codec.token_bytes[i] for i in ids]  # special tokens (BOS, EOS) stand for no bytes
-    if not text.startswith(b"".join(pieces)):
-        return soft  # a normalizer, a dummy prefix or an <unk>: no byte-exact boundaries
-    starts, offset = [], -len(record["prompt"].encode("utf-8"))  # offsets in the continuation's bytes
-    for piece in pieces:
-        starts.append(offset)
-        offset += len(piece)
-    by_offset = {entry[0]: entry for entry in record["target_top"]}
-    for i in range(1, len(ids)):
-        entry = by_offset.get(starts[i]) if labels[i] != -100 and pieces[i] else None
-        if entry is None:
-            continue
-        pairs = [(target_to_draft[t], lp) for t, lp in zip(entry[1], entry[2], strict=True) if t in target_to_draft]
-        if not pairs:
-            continue
-        total = sum(math.exp(lp) for _, lp in pairs)
-        soft["soft_pos"].append(i - 1)
-        soft["soft_ids"].append([d for d, _ in pairs])
-        soft["soft_p"].append([math.exp(lp) / total for _, lp in pairs])
-    return soft
-
-
-class _Collate:
-    """Right-padded batches: pad id in input_ids, -100 in labels, 0 in the attention mask."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, batch: list[dict]) -> dict:
-        width = max(len(b["input_ids"]) for b in batch)
-        pad = [width - len(b["input_ids"]) for b in batch]
-        out = {
-            "input_ids": torch.tensor([b["input_ids"] + [self.pad_id] * n for b, n in zip(batch, pad, strict=True)]),
-            "labels": torch.tensor([b["labels"] + [-100] * n for b, n in zip(batch, pad, strict=True)]),
-            "attention_mask": torch.tensor([[1] * len(b["input_ids"]) + [0] * n for b, n in zip(batch, pad, strict=True)]),
-        }
-        if any(b.get("soft_pos") for b in batch):  # the token-level loss's targets, padded: (B, M) and (B, M, K)
-            m = max(len(b.get("soft_pos", ())) for b in batch)
-            k = max((len(ids) for b in batch for ids in b.get("soft_ids", ())), default=1)
-            out["soft_pos"] = torch.full((len(batch), m), -1)
-            out["soft_ids"] = torch.full((len(batch), m, k), -1)
-            out["soft_p"] = torch.zeros(len(batch), m, k)
-            for row, b in enumerate(batch):
-                for col, (pos, ids, p) in enumerate(zip(b.get("soft_pos", ()), b.get("soft_ids", ()),
-                                                        b.get("soft_p", ()), strict=True)):
-                    out["soft_pos"][row, col] = pos
-                    out["soft_ids"][row, col, : len(ids)] = torch.tensor(ids)
-                    out["soft_p"][row, col, : len(p)] = torch.tensor(p)
-        return out
-
-
-def soft_loss(logits: torch.Tensor, soft_pos: torch.Tensor, soft_ids: torch.Tensor, soft_p: torch.Tensor) -> torch.Tensor:
-    """The token-level loss: cross-entropy of the draft's next-token distributions (logits (B, T, V)) against the
-    target's mapped ones (soft_ids, soft_p: (B, M, K); soft_pos (B, M), -1 for none), averaged over positions;
-    KL(p || q) up to the target's entropy, which does not depend on the draft."""
-    rows, cols = (soft_pos >= 0).nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return logits.sum() * 0.0
-    log_q = torch.log_softmax(logits[rows, soft_pos[rows, cols]].float(), dim=-1)  # (N, V)
-    ids = soft_ids[rows, cols]  # (N, K)
-    picked = log_q.gather(-1, ids.clamp(min=0)) * (ids >= 0)
-    return -(soft_p[rows, cols] * picked).sum(-1).mean()
-
-
-def bf16_available(device: torch.device) -> bool:
-    """Whether bfloat16 autocast pays where the draft trains: a GPU with bfloat16, or a CPU with AVX512-BF16 / AMX."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and cpu_has_bf16_matmul()
-
-
-def _require_trainer():
-    try:
-        import accelerate  # noqa: F401  (transformers' Trainer needs it)
-        from transformers import Trainer, TrainerCallback, TrainingArguments
-    except ImportError as err:
-        raise XTokSpecError(f"distillation trains with transformers' Trainer, which needs accelerate ({err}): "
-                            "pip install 'xtokspec[distill]'") from None
-    return Trainer, TrainerCallback, TrainingArguments
-
-
-def _require_peft():
-    try:
-        import peft
-    except ImportError:
-        raise XTokSpecError("lora=True (--lora) needs peft, which is not installed: pip install 'xtokspec[distill]' "
-                            "(or pip install peft), or train every weight without --lora") from None
-    return peft
-
-
-def train_draft(model, tokenizer, examples: list[dict], settings: DistillSettings, work: Path, *,
-                deadline: float | None = None, progress: bool = True, resume: bool = False,
-                extra_examples: Sequence[dict] = (), scheduler: str = "cosine", scheduler_kwargs: dict | None = None,
-                warmup_share: float = 0.05):
-    """Fine-tune `model` (float32 weights) on `examples` (+ `extra_examples`, e.g. plain corpus rows) with
-    transformers' Trainer: AdamW (betas 0.9 / 0.95, weight decay 0.01), warmup then `scheduler` decay (a Trainer
-    lr_scheduler_type, with `scheduler_kwargs`), gradient
-    clipping at 1.0, bfloat16 autocast where the hardware has it; checkpoints in `work/checkpoints` (resumed from
-    with `resume`). Stops at settings.max_steps or at `deadline` (time.monotonic()). Returns (the trained model,
-    with LoRA adapters merged; a summary dict)."""
-    Trainer, TrainerCallback, TrainingArguments = _require_trainer()
-    from torch.utils.data import Dataset
-
-    if settings.lora:
-        peft = _require_peft()
-        config = peft.LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM")
-        model = peft.get_peft_model(model, config)
-    rows = list(examples) + list(extra_examples)
-    if not rows:
-        raise XTokSpecError("no training data: the target's continuations left nothing to learn (all empty)")
-
-    class Rows(Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return rows[i]
-
-    class Budget(TrainerCallback):
-        stopped_early = False
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if deadline is not None and time.monotonic() >= deadline and state.global_step < state.max_steps:
-                Budget.stopped_early = True
-                control.should_training_stop = True
-                control.should_save = True
-            return control
-
-    token_losses: list[float] = []
-
-    class TokenLossTrainer(Trainer):
-        """Trainer whose loss adds settings.token_loss x the token-level loss (soft_loss) where a batch has targets."""
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            soft = {key: inputs.pop(key) for key in ("soft_pos", "soft_ids", "soft_p") if key in inputs}
-            outputs = model(**inputs)
-            loss = outputs.loss
-            if soft:
-                extra = soft_loss(outputs.logits, **soft)
-                token_losses.append(extra.item())
-                loss = loss + settings.token_loss * extra
-            return (loss, outputs) if return_outputs else loss
-
-    device = input_device(model)
-    bf16 = bf16_available(device)
-    checkpoints = work / "checkpoints"
-    args = TrainingArguments(
-        output_dir=str(checkpoints), max_steps=settings.max_steps, per_device_train_batch_size=settings.batch_size,
-        learning_rate=settings.learning_rate, lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs or {},
-        warmup_steps=max(1, int(warmup_share * settings.max_steps)), weight_decay=0.01, adam_beta1=0.9,
-        adam_beta2=0.95, max_grad_norm=1.0, bf16=bf16, logging_steps=max(1, settings.max_steps // 20),
-        save_strategy="steps", save_steps=max(10, settings.max_steps // 5), save_total_limit=1,
-        report_to="none", seed=settings.seed, data_seed=settings.seed, disable_tqdm=not progress,
-        use_cpu=device.type == "cpu", dataloader_num_workers=0, remove_unused_columns=False,
-    )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    kind = TokenLossTrainer if settings.token_loss > 0 else Trainer
-    trainer = kind(model=model, args=args, train_dataset=Rows(), data_collator=_Collate(pad), callbacks=[Budget()])
-    last = None
-    if resume and checkpoints.is_dir():
-        found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        last = str(found[-1]) if found else None
-    start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=last)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    summary = {"steps": trainer.state.global_step, "max_steps": settings.max_steps, "seconds": time.perf_counter() - start,
-               "stopped_by_time": Budget.stopped_early, "resumed_from": last, "bf16": bf16, "lora": settings.lora,
-               "rows": len(rows), "distilled_rows": len(examples), "extra_rows": len(extra_examples),
-               "first_logged_loss": losses[0] if losses else None, "last_logged_loss": losses[-1] if losses else None,
-               "train_loss": result.training_loss, "token_loss_weight": settings.token_loss,
-               "token_loss_first": token_losses[0] if token_losses else None,
-               "token_loss_last": token_losses[-1] if token_losses else None,
-               "soft_positions": sum(len(r.get("soft_pos", ())) for r in rows)}
-    if settings.lora:
-        model = model.merge_and_unload()
-    model.eval()
-    return model, summary
+__all__ = ["DATA_FILE", "MODES", "REPORT_FILE", "SETTINGS_FILE", "STATE_FILE", "DistillSettings", "bf16_available",
+           "continue_prompts", "distill", "evaluate", "read_prompts", "soft_loss", "split_prompts", "train_draft",
+           "training_examples"]
 
 
 # ---------------------------------------------------------------- phase 3: evaluation

@@ -1,0 +1,184 @@
+"""`xtokspec distill`'s data: the settings of a run, the prompts (read, split into training and held-out ones) and
+the target's continuations of them (phase 1 of xtokspec/distill.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .codec import utf8_valid_prefix_len
+from .kv import input_device
+from .models import eos_ids
+from .types import XTokSpecError
+
+REPORT_FILE = "distill_report.json"
+DATA_FILE = "distill_data.jsonl"
+SETTINGS_FILE = "settings.json"
+STATE_FILE = "state.json"
+MODES = ("greedy", "sampled")
+
+
+@dataclasses.dataclass
+class DistillSettings:
+    """What a run does; everything but the budget's seconds must match when a run resumes."""
+
+    new_tokens: int = 64  # target tokens per continuation
+    modes: tuple[str, ...] = MODES  # continuations per prompt: greedy, sampled (T=1, full distribution), or both
+    max_prompts: int | None = None  # training prompts used (None: all)
+    prompt_chars: tuple[int, int] | None = None  # cut each prompt to a seeded length in [min, max] characters
+    gen_batch: int = 16  # prompts per batched target generate
+    max_steps: int = 200  # optimizer steps
+    batch_size: int = 16  # sequences per step
+    learning_rate: float = 5e-5  # peak; pretrained drafts diverge at 5e-4 (Gemma-3-270M: loss 3.1 -> 17 in 2 steps)
+    max_length: int = 256  # draft tokens per training sequence (longer ones are cut)
+    lora: bool = False  # train LoRA adapters (peft) and merge them, instead of every weight
+    lora_rank: int = 16
+    token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
+    token_top_k: int = 16  # target probabilities kept per position for it
+    eval_count: int = 16  # held-out prompts split off the prompt source when no eval_prompts are given
+    eval_new_tokens: int = 64
+    eval_temperature: float = 0.7
+    seed: int = 0
+    dtype: str = "auto"  # both models' dtype for generation and evaluation ("auto": the checkpoint's own)
+
+    def check(self) -> None:
+        if not self.modes or set(self.modes) - set(MODES):
+            raise XTokSpecError(f"modes must be one or both of {MODES}, got {self.modes!r}")
+        for name in ("new_tokens", "gen_batch", "max_steps", "batch_size", "max_length", "lora_rank",
+                     "eval_new_tokens", "token_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise XTokSpecError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_prompts is not None and self.max_prompts <= 0:
+            raise XTokSpecError(f"max_prompts must be a positive integer, got {self.max_prompts!r}")
+        if self.eval_count < 0:
+            raise XTokSpecError(f"eval_count must be 0 or more, got {self.eval_count!r}")
+        if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
+            raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")
+        if not self.token_loss >= 0:
+            raise XTokSpecError(f"token_loss must be 0 or more, got {self.token_loss!r}")
+        if not self.learning_rate > 0:
+            raise XTokSpecError(f"learning_rate must be positive, got {self.learning_rate!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise XTokSpecError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+# ---------------------------------------------------------------- prompts
+def read_prompts(source, what: str = "prompts") -> list[str]:
+    """Prompts from a list of strings, or from a file: a text file (one prompt per line) or JSON lines (.jsonl,
+    each an object with a "prompt" or "text" field). Empty lines are skipped; none left is an error."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise XTokSpecError(f"cannot read the {what} file {str(path)!r}: {err}") from None
+        if path.suffix == ".jsonl":
+            prompts = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise XTokSpecError(f"{path}:{n}: not JSON ({err})") from None
+                value = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+                if not isinstance(value, str):
+                    raise XTokSpecError(f'{path}:{n}: a JSON line needs a "prompt" or "text" string field')
+                prompts.append(value)
+        else:
+            prompts = text.splitlines()
+        where = f"the {what} file {str(path)!r}"
+    else:
+        prompts = list(source)
+        if not all(isinstance(p, str) for p in prompts):
+            raise XTokSpecError(f"{what}: expected strings or a file path")
+        where = f"the {what} given"
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise XTokSpecError(f"{where} has no prompts (no non-empty line)")
+    return prompts
+
+
+def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: DistillSettings
+                  ) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts): the held-out ones are `eval_prompts` when given, else
+    `settings.eval_count` prompts drawn (seeded) from the source; a training prompt never equals a held-out one."""
+    rng = random.Random(settings.seed)
+    order = list(dict.fromkeys(prompts))  # de-duplicated, first occurrence kept
+    rng.shuffle(order)
+    if eval_prompts is None:
+        if settings.eval_count and len(order) <= settings.eval_count:
+            raise XTokSpecError(f"{len(order)} distinct prompts cannot keep {settings.eval_count} held out and "
+                                "train on the rest: give more prompts, eval_prompts (--eval-prompts FILE), or a "
+                                "smaller eval_count (--eval-count)")
+        held, train = order[: settings.eval_count], order[settings.eval_count :]
+    else:
+        held = list(dict.fromkeys(eval_prompts))[: settings.eval_count or None] if settings.eval_count else []
+        train = [p for p in order if p not in set(eval_prompts)]
+        if not train:
+            raise XTokSpecError("every training prompt is also a held-out prompt: nothing is left to train on")
+    if settings.prompt_chars is not None:
+        lo, hi = settings.prompt_chars
+        train = [p[: rng.randint(lo, hi)] for p in train]
+        train = [p for p in dict.fromkeys(train) if p.strip() and p not in set(held)]
+    if settings.max_prompts is not None:
+        train = train[: settings.max_prompts]
+    return train, held
+
+
+# ---------------------------------------------------------------- phase 1: the target's continuations
+@torch.no_grad()
+def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_tokens: int, seed: int,
+                     codec=None, top_k: int = 0) -> list[dict]:
+    """The target's continuations of one batch of prompts (left-padded, one `generate` call): greedy, or sampled
+    from its full distribution (T=1). -> records {"prompt", "continuation", "eos", "mode", "cut"}; "cut": the
+    continuation ended inside a UTF-8 character (or hit invalid UTF-8) and was cut there, without its EOS.
+    `top_k` > 0 adds "target_top": for each continuation token that starts inside the kept text, [its byte offset
+    in the continuation, the target's `top_k` likeliest next ids there, their log-probabilities] (one more forward
+    over the batch), for the token-level loss."""
+    from .codec import TokenCodec
+
+    codec = codec or TokenCodec(tokenizer, model.config.vocab_size, "target tokenizer")
+    eos = eos_ids(model, tokenizer)
+    ids = [codec.encode_prompt(p) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
+    width = max(map(len, ids))
+    device = input_device(model)
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids], device=device)  # (B, T)
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids], device=device)
+    how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if mode == "sampled" else dict(do_sample=False)
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                         min_new_tokens=0, pad_token_id=pad, eos_token_id=sorted(eos) or None, **how)  # (B, T + n)
+    top = None
+    if top_k:
+        mask = torch.cat([attention_mask, torch.ones_like(out[:, width:])], dim=1)  # (B, T + n)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
+        logits = model(input_ids=out, attention_mask=mask, position_ids=positions).logits[:, width - 1 : -1]
+        top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # values, indices: (B, n, top_k)
+    records = []
+    for row, (prompt, new) in enumerate(zip(prompts, out[:, width:].tolist(), strict=True)):
+        ended = next((n for n, i in enumerate(new) if i in eos), None)
+        new = new if ended is None else new[:ended]
+        data = codec.bytes_of(new)
+        valid = utf8_valid_prefix_len(data)
+        cut = valid < len(data)
+        record = {"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
+                  "eos": ended is not None and not cut, "mode": mode, "cut": cut}
+        if top is not None:
+            record["target_top"], offset = [], 0
+            for j, token in enumerate(new):
+                if offset >= valid:
+                    break
+                record["target_top"].append([offset, top.indices[row, j].tolist(),
+                                             [round(v, 4) for v in top.values[row, j].tolist()]])
+                offset += len(codec.token_bytes[token])
+        records.append(record)
+    return records
