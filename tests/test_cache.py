@@ -224,6 +224,8 @@ def test_streams_open_at_once_never_share_a_static_buffer(tree_width, tiny_targe
         for i, stream in enumerate(streams):
             if not done[i]:
                 piece = next(stream, None)
+                # the caller's grad mode between pieces: inference mode stays inside each cycle
+                assert torch.is_grad_enabled()
                 done[i] = piece is None
                 texts[i] += piece or ""
     assert texts == alone

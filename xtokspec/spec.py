@@ -252,12 +252,22 @@ class XTokSpec:
         self._check_trees(config)
         kind = options.proposal_kind(self.same_vocab, params, proposal or config.proposal, config.tree_width)
         stats.proposal = kind + (" tree" if config.tree_width > 1 else "")
+        # Inference mode around each cycle, never across a yield: the caller's code between two cycles (another
+        # stream's, a training step) runs in its own grad mode, and interleaved streams cannot leave it switched off
         with torch.inference_mode():
             target, draft = self._states(target_ids, draft_ids, max_new_tokens, config)
             before = self.capture_seconds
-            try:
-                yield from loop.cycles(self._run(target, draft, stats, params, config, kind), max_new_tokens)
-            finally:  # also when a stream is closed early
+            steps = loop.cycles(self._run(target, draft, stats, params, config, kind), max_new_tokens)
+        try:
+            while True:
+                with torch.inference_mode():
+                    new_ids = next(steps, None)
+                if new_ids is None:
+                    return
+                yield new_ids
+        finally:  # also when a stream is closed early
+            with torch.inference_mode():
+                steps.close()
                 stats.capture_seconds = self.capture_seconds - before
                 self._release(target)
                 self._release(draft)
