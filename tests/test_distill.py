@@ -277,3 +277,16 @@ def test_a_time_budget_too_short_for_any_data_is_named(pair, tmp_path):
     with pytest.raises(XTokSpecError, match="the time budget ended before the target continued any prompt"):
         distill(*pair, PROMPTS, tmp_path / "out", max_seconds=1e-6, **QUICK)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_distill_trains_when_called_with_gradients_off(pair, tmp_path, mode):
+    """A caller in no_grad or inference mode (an inference script, a notebook after generating) still trains."""
+    import torch
+
+    draft_before = [p.detach().clone() for p in pair[1][0].parameters()]
+    with getattr(torch, mode)():
+        report = distill(*pair, PROMPTS, tmp_path / "out", **QUICK)
+    assert report["training"]["steps"] == QUICK["max_steps"]
+    trained = XTokSpec(pair[0], str(tmp_path / "out")).draft_model
+    assert any(not torch.equal(a, b.to(a.dtype)) for a, b in zip(draft_before, trained.parameters(), strict=True))

@@ -164,6 +164,8 @@ def _log(message: str, progress: bool) -> None:
         tqdm.write(f"[xtokspec distill] {message}")
 
 
+@torch.inference_mode(False)  # a caller in inference mode or no_grad still trains: the draft's copy is a plain
+@torch.enable_grad()  # tensor, and Trainer does not switch gradients on
 def distill(target, draft, prompts, out, *, eval_prompts=None, settings: DistillSettings | None = None,
             max_seconds: float | None = None, overwrite: bool = False, resume: bool = False,
             target_device: str | None = None, draft_device: str | None = None, progress: bool = True,

@@ -217,7 +217,9 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
         found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
         last = str(found[-1]) if found else None
     start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=last)
+    # also when called under no_grad or inference mode: Trainer does not switch gradients on
+    with torch.inference_mode(False), torch.enable_grad():
+        result = trainer.train(resume_from_checkpoint=last)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {"steps": trainer.state.global_step, "max_steps": settings.max_steps, "seconds": time.perf_counter() - start,
                "stopped_by_time": Budget.stopped_early, "resumed_from": last, "bf16": bf16, "lora": settings.lora,
