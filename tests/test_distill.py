@@ -17,6 +17,7 @@ from xtokspec.distill import (
     REPORT_FILE,
     DistillSettings,
     distill,
+    first_difference,
     read_prompts,
     split_prompts,
     training_examples,
@@ -290,3 +291,23 @@ def test_distill_trains_when_called_with_gradients_off(pair, tmp_path, mode):
     assert report["training"]["steps"] == QUICK["max_steps"]
     trained = XTokSpec(pair[0], str(tmp_path / "out")).draft_model
     assert any(not torch.equal(a, b.to(a.dtype)) for a, b in zip(draft_before, trained.parameters(), strict=True))
+
+
+def test_first_difference_reports_where_and_by_what_margin_an_output_departs(pair):
+    """The margin of a departure is the target's own logit gap there (a near-tie is told from a bug by it)."""
+    import torch
+
+    (model, tokenizer), _ = pair
+    prompt_ids = tokenizer("ファイルの設定", add_special_tokens=True)["input_ids"]
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=6, min_new_tokens=6)[0, len(prompt_ids):].tolist()
+        logits = model(input_ids=torch.tensor([prompt_ids + reference[:3]])).logits[0, -1].float()
+    other = int(logits.argsort(descending=True)[1])  # the target's second choice at token 3
+    got = reference[:3] + [other] + reference[4:]
+    found = first_difference(model, prompt_ids, reference, got)
+    assert found["token"] == 3 and found["target"] == reference[3] and found["got"] == other
+    assert found["margin"] == pytest.approx(float(logits[reference[3]] - logits[other]), abs=1e-4)
+    assert found["margin"] >= 0  # greedy: the target's own choice is its argmax
+    assert first_difference(model, prompt_ids, reference, reference[:4]) is None  # a prefix agrees

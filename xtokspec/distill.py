@@ -59,11 +59,27 @@ from .models import check_source, eos_ids, load
 from .types import SpecConfig, XTokSpecError
 
 __all__ = ["DATA_FILE", "MODES", "REPORT_FILE", "SETTINGS_FILE", "STATE_FILE", "DistillSettings", "bf16_available",
-           "continue_prompts", "distill", "evaluate", "read_prompts", "soft_loss", "split_prompts", "train_draft",
-           "training_examples"]
+           "continue_prompts", "distill", "evaluate", "first_difference", "read_prompts", "soft_loss", "split_prompts",
+           "train_draft", "training_examples"]
 
 
 # ---------------------------------------------------------------- phase 3: evaluation
+@torch.inference_mode()
+def first_difference(model, prompt_ids: list[int], reference: list[int], got: list[int]) -> dict | None:
+    """Where greedy output `got` first departs from the target's own `reference` (both after `prompt_ids`):
+    {"token": its index, "target": the target's id, "got": the other id, "margin": the target's logit of its own
+    id minus that of the other, from one forward of the prompt and the common prefix}, or None where they agree
+    (one a prefix of the other). A margin of a bfloat16 step or less is a floating-point near-tie; a large one is
+    a bug."""
+    k = next((i for i, (a, b) in enumerate(zip(reference, got, strict=False)) if a != b), None)
+    if k is None:
+        return None
+    ids = torch.tensor([list(prompt_ids) + list(reference[:k])], device=input_device(model))
+    logits = model(input_ids=ids).logits[0, -1].float()
+    return {"token": k, "target": reference[k], "got": got[k],
+            "margin": float(logits[reference[k]] - logits[got[k]])}
+
+
 def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temperature: float = 0.7,
              seed: int = 0, progress: bool = True) -> dict:
     """Each draft (label -> (model, tokenizer)) through xtokspec drafting every cycle, against the target alone
@@ -88,7 +104,7 @@ def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temp
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 
     totals = {label: dict(accepted=0, rejections=0, greedy_seconds=0.0, greedy_tokens=0, same_output=0,
-                          sampled_tokens=0, sampled_calls=0) for label in specs}
+                          sampled_tokens=0, sampled_calls=0, differences=[]) for label in specs}
     alone_seconds = alone_tokens = 0
     alone(prompts[0], 8)  # warm-up: first calls pay for allocation and lazy initialisation
     for spec in specs.values():
@@ -108,6 +124,10 @@ def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temp
             t["accepted"] += greedy.stats.accepted
             t["rejections"] += greedy.stats.rejections
             t["same_output"] += greedy.token_ids == reference
+            if greedy.token_ids != reference:
+                prompt_ids = next(iter(specs.values())).target.encode_prompt(prompt)
+                t["differences"].append({"prompt": n, **(first_difference(model, prompt_ids, reference,
+                                                                          greedy.token_ids) or {})})
             sampled = spec.generate(prompt, max_new_tokens=new_tokens, do_sample=True, temperature=temperature,
                                     seed=seed + n)
             t["sampled_tokens"] += sampled.stats.new_tokens
@@ -123,6 +143,7 @@ def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temp
             "greedy_tokens_per_second": t["greedy_tokens"] / max(t["greedy_seconds"], 1e-9),
             "speedup": alone_seconds / max(t["greedy_seconds"], 1e-9),
             "greedy_same_as_target": f"{t['same_output']}/{len(prompts)}",
+            "greedy_differences": t["differences"],  # first_difference of each output that differs, with its margin
         }
     return result
 
