@@ -170,6 +170,19 @@ def test_complete_prefix_stops_before_an_unfinished_character(sp_tokenizer):
     assert complete_prefix(codec, text_ids) == len(text_ids)
 
 
+def waiting_states(model, prompts: list[list[int]], tails: list[int]) -> list:
+    """One draft state per prompt as a request waits between two steps: all but its last `tail` ids in the cache."""
+    from xtokspec.cache import ModelState
+
+    out = []
+    for prompt, tail in zip(prompts, tails, strict=True):
+        state = ModelState(model, prompt[:-tail])
+        state.forward(keep=1)
+        state.extend(prompt[-tail:])
+        out.append(state)
+    return out
+
+
 def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_prompts):
     """`draft_together` over five requests (caches of different lengths, 1 to 5 uncached ids, one that drafts
     an EOS) drafts the ids that drafting each alone drafts, and leaves each cache as drafting alone leaves it:
@@ -184,13 +197,7 @@ def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_pr
     tails = [1, 3, 2, 5, 1]
 
     def states():
-        out = []
-        for prompt, tail in zip(prompts, tails, strict=True):
-            state = ModelState(model, prompt[:-tail])
-            state.forward(keep=1)
-            state.extend(prompt[-tail:])
-            out.append(state)
-        return out
+        return waiting_states(model, prompts, tails)
 
     with torch.inference_mode():
         alone = states()
@@ -225,7 +232,6 @@ def test_batched_drafting_with_a_sliding_window_draft_matches_one_request_at_a_t
     while the batch fits its window, leaves each cache as drafting alone does, and refuses a batch past it."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from xtokspec.cache import ModelState
     from xtokspec.propose import ChainProposer
 
     torch.manual_seed(0)
@@ -238,13 +244,7 @@ def test_batched_drafting_with_a_sliding_window_draft_matches_one_request_at_a_t
     tails = [1, 3, 2, 4]
 
     def states():
-        out = []
-        for prompt, tail in zip(prompts, tails, strict=True):
-            state = ModelState(model, prompt[:-tail])
-            state.forward(keep=1)
-            state.extend(prompt[-tail:])
-            out.append(state)
-        return out
+        return waiting_states(model, prompts, tails)
 
     with torch.inference_mode():
         alone = states()
