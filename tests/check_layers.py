@@ -1,7 +1,7 @@
 """Fail if a module of xtokspec imports one from a higher layer: the imports point one way, from the command line
 down to plain data.
 
-    types -> sampling, codec, kv, compile, options -> tree, bridge, cache, models, chat -> mapping, policy, propose,
+    types -> sampling, codec, kv, compile, options -> tree, bridge, cache, models, chat -> mapping, policy, propose, batch_draft,
     verify -> loop -> spec, hf -> cli, bench, distill (distill_data, distill_train), report, vllm
 
 A module may import from its own layer or any layer below it (lazy imports inside functions count too). A module
@@ -15,7 +15,7 @@ LAYERS = [
     ("types",),
     ("sampling", "codec", "kv", "compile", "options"),
     ("tree", "bridge", "cache", "models", "chat"),
-    ("mapping", "policy", "propose", "verify"),
+    ("mapping", "policy", "propose", "verify", "batch_draft"),
     ("loop",),
     ("spec", "hf"),
     ("cli", "bench", "distill", "distill_data", "distill_train", "report", "vllm", "__init__", "__main__"),

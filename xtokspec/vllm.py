@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .batch_draft import draft_together, prefill_tail
 from .bridge import TextSync
 from .cache import ModelState
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
-from .kv import context_limit, dynamic_cache, sliding_layers, to_device
+from .kv import context_limit, sliding_layers
 from .mapping import SameVocab, TextBridge
 from .models import eos_ids, load
 from .propose import ChainProposer
@@ -200,95 +201,6 @@ def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
             return n
         end -= len(table[ids[n - 1]])
     return 0
-
-
-# ---------------------------------------------------------------------------------------------- batched drafting
-def prefill_tail(state: ModelState) -> None:
-    """Feed all of the state's uncached ids but the last (whose logits drafting needs), without logits."""
-    if state.cached >= len(state.ids):  # all cached (after a rollback): the last one is fed again
-        state._rollback(len(state.ids) - 1)
-    new = state.ids[state.cached : -1]
-    if new:
-        state._forward(state.model, to_device([new], state.device), logits_to_keep=1)
-        state.kv.advance(len(new))
-
-
-@torch.inference_mode()
-def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
-                   window: int | None = None) -> tuple[list[list[int]], float]:
-    """k ids drafted greedily for every state, one batched forward per drafted position -> (each state's ids
-    (stopped after a drafted EOS), appended to its ids with its cache covering all but the last, as
-    `ChainProposer` leaves a single state; the seconds spent copying caches into the batch and back).
-
-    The states' caches (transformers DynamicCaches, each request its own length) are copied side by side into
-    one batched cache, left-padded: row i holds its c_i cached positions right-aligned in the first C = max c_i
-    columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention mask hides the padding
-    and position ids carry each row's own positions. The k - 1 further forwards add one column each. Afterwards
-    each state's cache gets its own new columns (its uncached ids and the drafted ones) appended; the batched
-    cache is dropped. A draft with sliding-window layers (Gemma 2/3) batches while the batch's columns fit in its
-    window (`window`: then its sliding layers hold every position, as full ones do). Every state needs a cached
-    position (else its padding queries would see nothing) and an uncached id: `prefill_tail` leaves both where a
-    state has two ids; rows with long uncached tails should be prefilled so too (every row pays for T columns)."""
-    device = states[0].device
-    if any(state.cached < 1 or state.cached >= len(state.ids) for state in states):
-        raise ValueError("draft_together needs every state with cached ids and an uncached one (prefill_tail)")
-    t0 = time.perf_counter()
-    cached = [state.cached for state in states]
-    tails = [state.ids[c:] for state, c in zip(states, cached, strict=True)]
-    rows, width, depth = len(states), max(cached), max(len(t) for t in tails)
-    if window is not None and width + depth + k - 1 > window - 1:
-        raise ValueError(f"a batch of {width + depth + k - 1} columns does not fit the draft's sliding window ({window})")
-    batch = dynamic_cache(model)
-    if width:
-        reference = next(s.kv.cache for s, c in zip(states, cached, strict=True) if c)
-        for layer_idx, layer in enumerate(reference.layers):
-            shape = (rows, layer.keys.shape[1], width, layer.keys.shape[3])
-            keys, values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
-            for r, (state, c) in enumerate(zip(states, cached, strict=True)):
-                if c:
-                    own = state.kv.cache.layers[layer_idx]
-                    if own.keys.shape[-2] != c:
-                        raise ValueError(f"a sliding layer keeps {own.keys.shape[-2]} of {c} positions: not batchable")
-                    keys[r, :, width - c :], values[r, :, width - c :] = own.keys[0], own.values[0]
-            batch.update(keys, values, layer_idx)
-    mask = torch.zeros(rows, width + depth + k - 1, dtype=torch.long)
-    input_ids = torch.zeros(rows, depth, dtype=torch.long)
-    positions = torch.zeros(rows, depth, dtype=torch.long)
-    for r, (c, tail) in enumerate(zip(cached, tails, strict=True)):
-        mask[r, width - c : width] = 1
-        mask[r, width + depth - len(tail) :] = 1
-        input_ids[r, depth - len(tail) :] = torch.tensor(tail)
-        positions[r, depth - len(tail) :] = torch.arange(c, c + len(tail))
-    mask, input_ids, positions = mask.to(device), input_ids.to(device), positions.to(device)
-    copy_s = time.perf_counter() - t0
-    keyword = states[0].cache_keyword
-    logits = model(input_ids=input_ids, attention_mask=mask[:, : width + depth], position_ids=positions,
-                   use_cache=True, logits_to_keep=1, **{keyword: batch}).logits[:, -1]  # (B, Vd)
-    token = torch.argmax(logits, dim=-1)  # (B,)
-    tokens, position = [token], positions[:, -1:]
-    for step in range(1, k):
-        position = position + 1
-        logits = model(input_ids=token[:, None], attention_mask=mask[:, : width + depth + step],
-                       position_ids=position, use_cache=True, **{keyword: batch}).logits[:, -1]
-        token = torch.argmax(logits, dim=-1)
-        tokens.append(token)
-    drafted = torch.stack(tokens, dim=1).tolist()  # the one transfer
-    t0 = time.perf_counter()
-    for layer_idx, layer in enumerate(batch.layers):  # each row's new columns onto its own cache
-        for r, (state, tail) in enumerate(zip(states, tails, strict=True)):
-            start = width + depth - len(tail)
-            state.kv.cache.update(layer.keys[r : r + 1, :, start:], layer.values[r : r + 1, :, start:], layer_idx)
-    for state, tail in zip(states, tails, strict=True):
-        state.kv.advance(len(tail) + k - 1)  # a sliding layer is cut back to its window (DynamicKV)
-    out = []
-    for state, ids in zip(states, drafted, strict=True):
-        base = len(state.ids)
-        state.extend(ids)
-        end = next((n + 1 for n, token_id in enumerate(ids) if token_id in draft_eos), len(ids))
-        if end < len(ids):
-            state.truncate(base + end)  # past a drafted EOS: dropped, its cache positions too
-        out.append(ids[:end])
-    return out, copy_s + time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
