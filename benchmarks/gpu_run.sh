@@ -18,6 +18,9 @@
 #                                  # a chi-square case under graphs, recording and step costs at the 13B shapes, a
 #                                  # fresh process's first generate, the bridged loop per cycle
 #   bash benchmarks/gpu_run.sh 16  # CUDA graphs at the 7B/1B shapes, the same-tokenizer loop per cycle, the fixture preset by default
+#   bash benchmarks/gpu_run.sh 17  # the CUDA tests but inductor's, xtokspec distill on the fixture pair on CUDA, the
+#                                  # vLLM proposer's batched draft forwards against one per request (real drafts' shapes)
+#   bash benchmarks/gpu_run.sh 18  # the batched draft forwards at Gemma-3's shape; the loop's overhead at the 13B shapes, eager
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -139,6 +142,24 @@ case "${1:-1}" in
   # the fixture preset with the default configuration (graphs) against the target alone and assisted generation
   step 120 fixtures-default xtokspec bench --preset fixtures --device cuda --prompts 12 --max-new-tokens 64 \
     --modes greedy --tree-widths --no-progress --out "$OUT/fixtures-default"
+  ;;
+17)  # the CUDA tests but the inductor-compiled ones (greedy equality eager, under xtokspec's CUDA graphs, across
+     # placements; the cache tests), in parallel; xtokspec distill end to end on CUDA (the fixture pair: target
+     # continuations, bf16 training, before/after evaluation); the proposer's draft forwards batched across
+     # requests against one request at a time, the fixture draft and random weights at SmolLM2's and Gemma-3's shapes
+  XTOKSPEC_TEST_DEVICE=cuda step 170 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 8 \
+    --durations=0 tests/test_gpu.py tests/test_cache.py -k "not compiled"
+  step 150 distill xtokspec distill --target ja-target --draft ja-draft-bpe --prompts fixtures/data/prompts.txt \
+    --eval-count 8 --eval-new-tokens 32 --new-tokens 48 --max-steps 40 --batch-size 16 --target-device cuda \
+    --draft-device cuda --no-progress --out "$OUT/distill/draft"
+  rm -f "$OUT"/distill/draft/*.safetensors  # the report stays; the weights need not come back
+  step 150 batch-drafts python3 benchmarks/batch_draft_cost.py --device cuda --out "$OUT/batch-drafts"
+  ;;
+18)  # part 17's last step did not reach Gemma-3 in its limit: that shape alone, fewer repetitions; then the loop's
+     # own overhead per cycle at the 13B shapes, eager (part 2's last step), on the loop as it is now
+  step 150 batch-drafts-gemma python3 benchmarks/batch_draft_cost.py --device cuda --drafts gemma --reps 5 \
+    --out "$OUT/batch-drafts-gemma"
+  step 230 loop python3 benchmarks/gpu_loop.py --out "$OUT/loop"
   ;;
 esac
 # one archive: the device returns at most 8 files
