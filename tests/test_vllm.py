@@ -170,6 +170,27 @@ def test_complete_prefix_stops_before_an_unfinished_character(sp_tokenizer):
     assert complete_prefix(codec, text_ids) == len(text_ids)
 
 
+def test_a_chat_requests_draft_reads_the_template_as_the_chat_entry_point_renders_it(bridge_proposer):
+    """A chat request reaches the proposer as target ids with the template's special tokens among them: the
+    draft's prompt is its encoding of the text `render` gives the draft for the same messages (the fixture target's
+    "<s>", which the draft lacks, left out), not of the template's text spelled out."""
+    import copy
+
+    from xtokspec.chat import render
+
+    proposer = bridge_proposer()
+    target = copy.deepcopy(proposer.target_tokenizer)
+    target.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    messages = [{"role": "user", "content": "ファイルシステムをマウントするには"}]
+    text, draft_text = render(messages, target, proposer.draft_tokenizer)
+    ids = target(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(target.bos_token_id) == 2
+    request = RequestDraft(proposer, ids)
+    assert request.state.ids == proposer.draft.encode_prompt(draft_text)
+    assert "<s>" not in proposer.draft_tokenizer.decode(request.state.ids)
+
+
 def waiting_states(model, prompts: list[list[int]], tails: list[int]) -> list:
     """One draft state per prompt as a request waits between two steps: all but its last `tail` ids in the cache."""
     from xtokspec.cache import ModelState

@@ -21,6 +21,10 @@ together, one batched forward per drafted position over their caches side by sid
 request at a time (`propose.ChainProposer`) for a lone request, a request whose text outgrows a sliding-window
 draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`.
 
+A new request's draft reads its prompt as text (`chat.DraftView`): a chat template's special tokens reach the
+draft as its own where its tokenizer has them by text and are left out of its view otherwise, as in
+`XTokSpec.generate(messages=...)`.
+
 Finding a request's state again (`RequestTable`): vLLM's rows move (requests finish, are aborted, preempted and
 resumed), so a row is matched by its token ids, never by its position. A state remembers the ids it has seen;
 a row matches the states whose ids are a prefix of the row's ids, and each row gets a different state, the
@@ -51,6 +55,7 @@ import torch
 from .batch_draft import draft_together, prefill_tail
 from .bridge import TextSync
 from .cache import ModelState
+from .chat import DraftView
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
 from .kv import context_limit, sliding_layers
 from .mapping import SameVocab, TextBridge
@@ -144,9 +149,9 @@ class RequestDraft:
             prompt, tail = list(target_ids), []
         else:
             split = complete_prefix(owner.target, target_ids)
-            text = owner.target_tokenizer.decode(target_ids[:split], skip_special_tokens=True,
-                                                 clean_up_tokenization_spaces=False)
-            prompt, tail = (owner.draft.encode_prompt(text) if text else []), list(target_ids[split:])
+            text, special = owner.view.prompt(target_ids[:split])  # a template's special tokens: the draft's or none
+            prompt = owner.draft.encode_prompt(text, special) if text else []
+            tail = list(target_ids[split:])
         bos = owner.draft_tokenizer.bos_token_id
         head = int(bos is not None and prompt[:1] == [bos])  # a window of the text keeps the BOS
         self.state = ModelState(owner.draft_model, prompt, "dynamic", owner.draft_limit)
@@ -265,6 +270,7 @@ class TextBridgeProposer:
         self.target = TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer")
         self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer")
         self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
+        self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         eos = model_config.try_get_generation_config().get("eos_token_id")
         eos = eos if eos is not None else self.target_tokenizer.eos_token_id
         self.target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
