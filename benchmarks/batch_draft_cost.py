@@ -1,7 +1,10 @@
 """What batching the vLLM proposer's draft forwards across requests buys on a device: for B requests waiting
 between two steps (caches of different lengths, 1 to 4 uncached ids each), the seconds to draft k ids for all
 of them one request at a time (`ChainProposer`, as the proposer does with `xtokspec_batched_drafts` off) against
-one batched forward per drafted position (`draft_together`, its default). Paired per repetition (the two orders
+one batched forward per drafted position (`draft_together`, its default), and with `--captured` (a GPU) one
+request at a time with each request's steps replayed as CUDA graphs over its own static cache (the proposer's
+`xtokspec_draft_graphs`; the caches and their graphs kept from one repetition to the next, as the proposer passes
+them to new requests, and every step length recorded before the timed repetitions). Paired per repetition (the two orders
 alternate), fresh states each time; the ids drafted both ways are compared (float32: equal; bfloat16 rows may
 round apart).
 
@@ -26,6 +29,7 @@ import torch
 
 from xtokspec.batch_draft import draft_together
 from xtokspec.cache import ModelState
+from xtokspec.compile import GraphedStep
 from xtokspec.kv import sliding_layers
 from xtokspec.models import load
 from xtokspec.propose import ChainProposer
@@ -46,7 +50,7 @@ CONFIGS = {  # the shapes of the real drafts (config.json of each model folder, 
 
 def build(name: str, device: str, dtype: torch.dtype):
     if name == "fixture":
-        return load("ja-draft-bpe", device)[0].to(dtype).eval()
+        return load("ja-draft-bpe", "draft")[0].to(device=device, dtype=dtype).eval()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(CONFIGS[name])
@@ -61,46 +65,67 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def waiting(model, prompts: list[list[int]], tails: list[int]) -> list[ModelState]:
-    """One draft state per request as it waits between two vLLM steps: its last `tail` ids not yet cached."""
+def waiting(model, prompts: list[list[int]], tails: list[int], step=None, pool=None) -> list[ModelState]:
+    """One draft state per request as it waits between two vLLM steps: its last `tail` ids not yet cached. With
+    `step` (captured): static caches, taken from `pool` (a list, one per row) where it holds them."""
     out = []
-    for prompt, tail in zip(prompts, tails, strict=True):
-        state = ModelState(model, prompt[:-tail])
+    for row, (prompt, tail) in enumerate(zip(prompts, tails, strict=True)):
+        if step is None:
+            state = ModelState(model, prompt[:-tail])
+        else:
+            reuse = pool[row] if pool is not None and row < len(pool) else None
+            state = ModelState(model, prompt[:-tail], "static", 1024, step, reuse=reuse)
         state.forward(keep=1)
         state.extend(prompt[-tail:])
         out.append(state)
     return out
 
 
+@torch.inference_mode()
 def measure(model, device: str, batch: int, k: int, context: tuple[int, int], reps: int, window: int | None,
-            seed: int) -> dict:
+            seed: int, step=None) -> dict:
     rng = random.Random(seed)
     vocab = model.config.vocab_size
-    one, together, same = [], [], 0
+    ways = ["alone", "together"] + (["captured"] if step is not None else [])
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    same = {way: 0 for way in ways[1:]}
+    pool: list = []
+    if step is not None:  # every step length each row's cache will replay, recorded before the timed repetitions
+        prompt = [rng.randrange(3, vocab) for _ in range(context[1])]
+        for tail in range(1, 5):
+            states = waiting(model, [prompt] * batch, [tail] * batch, step, pool)
+            for s in states:
+                ChainProposer(set())._draft_greedy_on_device(s, k)
+            pool = [s.kv for s in states]
     for rep in range(reps + 1):  # the first repetition warms up (allocator, kernels) and is not kept
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*context))] for _ in range(batch)]
         tails = [rng.randint(1, 4) for _ in range(batch)]
-        times = {}
         drafted = {}
-        for way in (("alone", "together") if rep % 2 == 0 else ("together", "alone")):
-            states = waiting(model, prompts, tails)
+        for way in (ways if rep % 2 == 0 else ways[::-1]):
+            states = waiting(model, prompts, tails, step if way == "captured" else None, pool)
             sync(device)
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                if way == "alone":
-                    drafted[way] = [ChainProposer(set())._draft_greedy_on_device(s, k)[0] for s in states]
-                else:
-                    drafted[way] = draft_together(model, states, k, set(), window=window)[0]
+            if way == "together":
+                drafted[way] = draft_together(model, states, k, set(), window=window)[0]
+            else:
+                drafted[way] = [ChainProposer(set())._draft_greedy_on_device(s, k)[0] for s in states]
             sync(device)
-            times[way] = time.perf_counter() - t0
+            if rep:
+                times[way].append(time.perf_counter() - t0)
+            if way == "captured":
+                pool = [s.kv for s in states]
         if rep:
-            one.append(times["alone"])
-            together.append(times["together"])
-            same += sum(a == b for a, b in zip(drafted["alone"], drafted["together"], strict=True))
-    ratios = [a / b for a, b in zip(one, together, strict=True)]
-    return {"batch": batch, "k": k, "reps": reps, "alone_ms": 1e3 * statistics.median(one),
-            "together_ms": 1e3 * statistics.median(together), "speedup_median": statistics.median(ratios),
-            "speedup_min": min(ratios), "speedup_max": max(ratios), "rows_equal": same, "rows": batch * reps}
+            for way in ways[1:]:
+                same[way] += sum(a == b for a, b in zip(drafted["alone"], drafted[way], strict=True))
+    row = {"batch": batch, "k": k, "reps": reps, "rows": batch * reps}
+    for way in ways:
+        row[f"{way}_ms"] = 1e3 * statistics.median(times[way])
+    for way in ways[1:]:
+        ratios = [a / b for a, b in zip(times["alone"], times[way], strict=True)]
+        name = "speedup" if way == "together" else f"{way}_speedup"
+        row |= {f"{name}_median": statistics.median(ratios), f"{name}_min": min(ratios), f"{name}_max": max(ratios)}
+        row["rows_equal" if way == "together" else f"{way}_rows_equal"] = same[way]
+    return row
 
 
 def main() -> None:
@@ -114,6 +139,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--context", default="200-400", help="prompt lengths MIN-MAX (ids)")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--captured", action="store_true", help="also each request's steps as CUDA graphs (a GPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     context = tuple(int(x) for x in args.context.split("-"))
@@ -125,13 +151,20 @@ def main() -> None:
             torch.bfloat16 if args.device.startswith("cuda") and name != "fixture" else torch.float32)
         model = build(name, args.device, dtype)
         window = getattr(model.config, "sliding_window", None) if sliding_layers(model) else None
+        step = GraphedStep(model, "draft") if args.captured and not window else None
+        if step is not None:
+            step.KEPT_CACHES = max(args.batches)
         rows = []
         for batch in args.batches:
-            row = measure(model, args.device, batch, args.k, context, args.reps, window, seed=batch)
+            row = measure(model, args.device, batch, args.k, context, args.reps, window, seed=batch, step=step)
             rows.append(row)
+            captured = "" if step is None else (
+                f"; captured {row['captured_ms']:.2f} ms, {row['captured_speedup_median']:.2f}x"
+                f" [{row['captured_speedup_min']:.2f}-{row['captured_speedup_max']:.2f}],"
+                f" rows equal {row['captured_rows_equal']}/{row['rows']}")
             print(f"{name} ({dtype}) B={batch}: alone {row['alone_ms']:.2f} ms, together {row['together_ms']:.2f} ms,"
                   f" {row['speedup_median']:.2f}x [{row['speedup_min']:.2f}-{row['speedup_max']:.2f}],"
-                  f" rows equal {row['rows_equal']}/{row['rows']}", flush=True)
+                  f" rows equal {row['rows_equal']}/{row['rows']}{captured}", flush=True)
         results["drafts"][name] = {"dtype": str(dtype), "rows": rows}
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
         del model

@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_run.sh 17  # the CUDA tests but inductor's, xtokspec distill on the fixture pair on CUDA, the
 #                                  # vLLM proposer's batched draft forwards against one per request (real drafts' shapes)
 #   bash benchmarks/gpu_run.sh 18  # the batched draft forwards at Gemma-3's shape; the loop's overhead at the 13B shapes, eager
+#   bash benchmarks/gpu_run.sh 19  # the vLLM proposer's captured drafts: their CUDA test, their cost against eager and batched
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -160,6 +161,14 @@ case "${1:-1}" in
   step 150 batch-drafts-gemma python3 benchmarks/batch_draft_cost.py --device cuda --drafts gemma --reps 5 \
     --out "$OUT/batch-drafts-gemma"
   step 230 loop python3 benchmarks/gpu_loop.py --out "$OUT/loop"
+  ;;
+19)  # the proposer's drafts captured per request (xtokspec_draft_graphs): the CUDA test (proposals equal eager
+     # static caches', outputs the target's, caches and graphs passed to new requests), then the draft forwards'
+     # cost one request at a time eager, batched, and captured (fixture draft, SmolLM2-135M's shape)
+  XTOKSPEC_TEST_DEVICE=cuda step 90 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
+    tests/test_vllm.py -k "captured_drafts_on_cuda"
+  step 150 batch-drafts-captured python3 benchmarks/batch_draft_cost.py --device cuda --drafts fixture smollm2 \
+    --batches 1 4 8 16 --reps 5 --captured --out "$OUT/batch-drafts-captured"
   ;;
 esac
 # one archive: the device returns at most 8 files

@@ -129,7 +129,7 @@ def test_state_is_bounded_over_a_thousand_requests():
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
-def fake_vllm_config(draft=None, max_model_len=512, extra=None):
+def fake_vllm_config(draft=None, max_model_len=512, extra=None, device="cpu"):
     """What the proposer reads of vLLM's VllmConfig, for the fixture target."""
     target = MODELS / "ja-target"
     model_config = types.SimpleNamespace(
@@ -142,7 +142,7 @@ def fake_vllm_config(draft=None, max_model_len=512, extra=None):
         additional["xtokspec_draft"] = str(draft)
     return types.SimpleNamespace(
         model_config=model_config, speculative_config=types.SimpleNamespace(num_speculative_tokens=K),
-        additional_config=additional, device_config=types.SimpleNamespace(device="cpu"),
+        additional_config=additional, device_config=types.SimpleNamespace(device=device),
         scheduler_config=types.SimpleNamespace(max_num_seqs=8),
     )
 
@@ -298,7 +298,7 @@ class Engine:
 
     def next_ids(self, seq: list[int], proposal: list[int]) -> list[int]:
         with torch.inference_mode():
-            logits = self.target(torch.tensor([seq + proposal])).logits[0, len(seq) - 1 :]
+            logits = self.target(torch.tensor([seq + proposal], device=self.target.device)).logits[0, len(seq) - 1 :]
         best = logits.argmax(-1).tolist()
         n = 0
         while n < len(proposal) and proposal[n] == best[n]:
@@ -384,6 +384,80 @@ def test_batched_and_one_at_a_time_drafting_propose_the_same(ja_target, heldout_
     assert outputs[0] == outputs[1]
     assert runs[0].proposals == runs[1].proposals
     assert batched.stats.batched_forwards > 0 and single.stats.batched_forwards == 0
+
+
+def counting_static_caches(monkeypatch) -> list:
+    """Every StaticKV that ModelState makes from now on, in a list."""
+    import xtokspec.cache
+
+    made = []
+
+    class Counted(xtokspec.cache.StaticKV):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(xtokspec.cache, "StaticKV", Counted)
+    return made
+
+
+@pytest.mark.slow
+def test_static_draft_caches_propose_what_dynamic_ones_do_and_pass_to_new_requests(ja_target, heldout_prompts,
+                                                                                   monkeypatch):
+    """`xtokspec_draft_cache="static"` (what captured drafts run on): the same proposals as dynamic caches, one
+    request at a time, and a dropped request's cache goes to the next new one: 12 requests in three waves of 4
+    make 4 caches."""
+    model, tokenizer = ja_target
+    waves = [[tokenizer(p)["input_ids"] for p in heldout_prompts[n : n + 4]] for n in (0, 4, 8)]
+    made = counting_static_caches(monkeypatch)
+    static = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={
+        "xtokspec_draft_cache": "static", "xtokspec_idle_calls": 0}))
+    dynamic = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_batched_drafts": False}))
+    assert static.draft_backend == "static" and not static.batched and static.step is None
+    first = [Engine(model, proposer, waves[0], 16) for proposer in (static, dynamic)]
+    assert first[0].run() == first[1].run()
+    assert first[0].proposals == first[1].proposals and first[0].accepted > 0
+    for wave in waves[1:]:
+        engine = Engine(model, static, wave, 16)
+        for n, out in engine.run().items():
+            assert out == model.generate(torch.tensor([wave[n]]), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert static.stats.new_states == 12 and len(made) == 4, (static.stats.new_states, len(made))
+
+
+def test_captured_drafts_on_a_cpu_warn_and_run_eagerly():
+    with pytest.warns(UserWarning, match="the draft's steps run eagerly, without CUDA graphs: its inputs are on cpu"):
+        proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_graphs": True}))
+    assert proposer.step is None and proposer.draft_backend == "dynamic"
+    with pytest.raises(XTokSpecError, match="xtokspec_draft_cache: 'dynamic' or 'static', got 'paged'"):
+        TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_cache": "paged"}))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_captured_drafts_on_cuda_propose_what_eager_ones_do(heldout_prompts, monkeypatch):
+    """On a GPU with `xtokspec_draft_graphs`: each request's draft steps replay CUDA graphs over its own static
+    cache; proposals equal the eager static caches' step for step, outputs are the target's own, and a second
+    wave of requests takes the first wave's caches with their graphs (no new cache, no new graph)."""
+    model, tokenizer = load_fixture_model("ja-target")
+    model = model.to("cuda")
+    waves = [[tokenizer(p)["input_ids"] for p in heldout_prompts[n : n + 4]] for n in (0, 4)]
+    made = counting_static_caches(monkeypatch)
+    extra = {"xtokspec_draft_cache": "static", "xtokspec_idle_calls": 0}
+    captured = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", device="cuda",
+                                                   extra=extra | {"xtokspec_draft_graphs": True}))
+    eager = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", device="cuda", extra=extra))
+    assert captured.step is not None and eager.step is None
+    first = [Engine(model, proposer, waves[0], 24) for proposer in (captured, eager)]
+    outputs = [engine.run() for engine in first]
+    assert outputs[0] == outputs[1] and first[0].proposals == first[1].proposals
+    for n, out in outputs[0].items():
+        assert out == model.generate(torch.tensor([waves[0][n]], device="cuda"), max_new_tokens=24,
+                                     do_sample=False)[0].tolist()
+    graphs, caches = len(captured.step.graphs), len(made)
+    assert graphs > 0 and first[0].accepted > 0
+    Engine(model, captured, waves[1], 24).run()
+    new_shapes = len(captured.step.graphs) - graphs
+    assert len(made) == caches and new_shapes <= 4 * len(waves[1]), (len(made), caches, new_shapes)
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ from .bridge import TextSync
 from .cache import ModelState
 from .chat import DraftView
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
+from .compile import choose_step
 from .kv import context_limit, sliding_layers
 from .mapping import SameVocab, TextBridge
 from .models import eos_ids, load
@@ -70,6 +71,8 @@ DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (add
 DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
 LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.draft_lookbehind's default)
 BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
+GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorded as CUDA graphs (static caches)
+CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
 
 
@@ -87,10 +90,12 @@ class Entry:
 class RequestTable:
     """Per-request states found again from token ids (the rule: this module's docstring)."""
 
-    def __init__(self, idle_calls: int = 4, max_states: int = 1024):
+    def __init__(self, idle_calls: int = 4, max_states: int = 1024, on_drop=None):
+        """`on_drop(payload)`: called with each dropped entry's payload (to hand its resources back)."""
         if idle_calls < 0 or max_states < 1:
             raise ValueError(f"need idle_calls >= 0 and max_states >= 1, got {idle_calls}, {max_states}")
         self.idle_calls, self.max_states = idle_calls, max_states
+        self.on_drop = on_drop
         self.entries: list[Entry] = []
         self.created = self.dropped = 0
 
@@ -134,6 +139,11 @@ class RequestTable:
             keep = keep[: self.max_states]
             keep.sort(key=lambda e: e.number)
         self.dropped += len(self.entries) - len(keep)
+        if self.on_drop is not None and len(keep) < len(self.entries):
+            kept = {id(e) for e in keep}
+            for e in self.entries:
+                if id(e) not in kept and e.payload is not None:
+                    self.on_drop(e.payload)
         self.entries = keep
 
 
@@ -154,7 +164,12 @@ class RequestDraft:
             tail = list(target_ids[split:])
         bos = owner.draft_tokenizer.bos_token_id
         head = int(bos is not None and prompt[:1] == [bos])  # a window of the text keeps the BOS
-        self.state = ModelState(owner.draft_model, prompt, "dynamic", owner.draft_limit)
+        if owner.draft_backend == "static":  # a dropped request's buffers (and their graphs), else new ones
+            reuse = owner.idle_kv.pop() if owner.idle_kv else None
+            self.state = ModelState(owner.draft_model, prompt, "static", owner.static_len, owner.step, reuse=reuse)
+        else:
+            self.state = ModelState(owner.draft_model, prompt, "dynamic", owner.draft_limit)
+        self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
         if owner.same_vocab:
             self.mapper = SameVocab(owner.target_vocab, owner.draft_device, head)
         else:
@@ -170,13 +185,13 @@ class RequestDraft:
 
     def prepare(self, k: int, room: int) -> int:
         """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""
-        owner, state = self.owner, self.state
+        state = self.state
         self.draft_steps = 0
         if not state.ids or room <= 0:
             return 0
-        if len(state.ids) + k + 1 > owner.draft_limit:  # keep the draft's most recent half of its context
-            self.mapper.slide(state, len(state.ids) - owner.draft_limit // 2)
-        return max(0, min(k, owner.draft_limit - len(state.ids) - 1))
+        if len(state.ids) + k + 1 > self.limit:  # keep the draft's most recent half of its context
+            self.mapper.slide(state, len(state.ids) - self.limit // 2)
+        return max(0, min(k, self.limit - len(state.ids) - 1))
 
     def propose(self, k: int, room: int, laps: Laps) -> list[int]:
         """Draft k ids greedily, this request alone -> at most `room` target ids."""
@@ -285,18 +300,49 @@ class TextBridgeProposer:
             if sliding else None
         self.batched = bool(extra.get(BATCHED_KEY, True)) and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
-        self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs)
+        self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs,
+                                  on_drop=self._release)
+        # Captured drafts: each request's draft steps recorded as CUDA graphs over a static cache of its own,
+        # replayed at each step (xtokspec's GraphedStep, as XTokSpec's default on a GPU); a dropped request's
+        # cache goes to the next new request with its graphs. Per request, not batched (draft_together stacks
+        # dynamic caches). Where graphs cannot be recorded (the CPU, a sliding-window draft) a warning says why
+        # and the draft runs eagerly.
+        self.step = choose_step(self.draft_model, "graphs", "static", "draft") if extra.get(GRAPHS_KEY) else None
+        cache = extra.get(CACHE_KEY, "static" if self.step is not None else "dynamic")
+        if cache not in ("dynamic", "static"):
+            raise XTokSpecError(f"{CACHE_KEY}: 'dynamic' or 'static', got {cache!r}")
+        if cache == "static" and sliding:
+            raise XTokSpecError(f"{CACHE_KEY}='static': the draft has {sliding} layers, which a static cache cannot "
+                                "roll back; use 'dynamic'")
+        if self.step is not None and cache != "static":
+            raise XTokSpecError(f"{GRAPHS_KEY} records the draft's steps over static caches: {CACHE_KEY}={cache!r}")
+        self.draft_backend = cache
+        self.static_len = min(self.draft_limit, max(256, 2 * self.max_model_len))  # a static cache's positions
+        self.idle_kv: list = []  # static caches of dropped requests, for new ones
+        if cache == "static":
+            self.batched = False
+            if self.step is not None:
+                self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
         self.stats = ProposerStats()
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s, %s", draft, type(self.draft_model).__name__,
                  dtype, self.k, "same tokenizer" if self.same_vocab else "text bridge",
-                 "draft forwards batched across requests" if self.batched else "one draft forward per request")
+                 "draft forwards batched across requests" if self.batched
+                 else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
+                 else "one draft forward per request")
+
+    def _release(self, request: RequestDraft) -> None:
+        """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
+        kv = request.state.kv
+        if self.draft_backend == "static" and len(self.idle_kv) < self.table.max_states:
+            self.idle_kv.append(kv)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands over the target model here; the draft was loaded in the constructor."""
 
     def dummy_run(self, *args, **kwargs) -> None:
-        """vLLM's warm-up and graph-capture calls: the draft runs eagerly, nothing to capture."""
+        """vLLM's warm-up and graph-capture calls: nothing to do (captured drafts record each cache's graphs at
+        its first steps of each length)."""
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
