@@ -430,6 +430,8 @@ def test_captured_drafts_on_a_cpu_warn_and_run_eagerly():
     assert proposer.step is None and proposer.draft_backend == "dynamic"
     with pytest.raises(XTokSpecError, match="xtokspec_draft_cache: 'dynamic' or 'static', got 'paged'"):
         TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_cache": "paged"}))
+    with pytest.raises(XTokSpecError, match="xtokspec_draft_cache_len: an integer of at least 64 positions, got 8"):
+        TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_cache_len": 8}))
 
 
 @pytest.mark.slow

@@ -73,6 +73,7 @@ LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.
 BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
 GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorded as CUDA graphs (static caches)
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
+CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
 
 
@@ -317,7 +318,12 @@ class TextBridgeProposer:
         if self.step is not None and cache != "static":
             raise XTokSpecError(f"{GRAPHS_KEY} records the draft's steps over static caches: {CACHE_KEY}={cache!r}")
         self.draft_backend = cache
-        self.static_len = min(self.draft_limit, max(256, 2 * self.max_model_len))  # a static cache's positions
+        # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
+        # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
+        static_len = extra.get(CACHE_LEN_KEY) or max(256, 2 * self.max_model_len)
+        if isinstance(static_len, bool) or not isinstance(static_len, int) or static_len < 64:
+            raise XTokSpecError(f"{CACHE_LEN_KEY}: an integer of at least 64 positions, got {static_len!r}")
+        self.static_len = min(self.draft_limit, static_len)
         self.idle_kv: list = []  # static caches of dropped requests, for new ones
         if cache == "static":
             self.batched = False
