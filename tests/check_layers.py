@@ -2,6 +2,7 @@
 down to plain data.
 
     types -> sampling, codec, kv, compile, options -> tree, bridge, cache, models, chat -> mapping, policy, propose, batch_draft,
+    request_table,
     verify -> loop -> spec, hf -> cli, bench, distill (distill_data, distill_train), report, vllm
 
 A module may import from its own layer or any layer below it (lazy imports inside functions count too). A module
@@ -15,7 +16,7 @@ LAYERS = [
     ("types",),
     ("sampling", "codec", "kv", "compile", "options"),
     ("tree", "bridge", "cache", "models", "chat"),
-    ("mapping", "policy", "propose", "verify", "batch_draft"),
+    ("mapping", "policy", "propose", "verify", "batch_draft", "request_table"),
     ("loop",),
     ("spec", "hf"),
     ("cli", "bench", "distill", "distill_data", "distill_train", "report", "vllm", "__init__", "__main__"),

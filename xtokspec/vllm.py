@@ -47,7 +47,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ from .kv import context_limit, sliding_layers
 from .mapping import SameVocab, TextBridge
 from .models import eos_ids, load
 from .propose import ChainProposer
+from .request_table import RequestTable
 from .types import Laps, XTokSpecError
 
 log = logging.getLogger("xtokspec")
@@ -75,77 +76,6 @@ GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorde
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
-
-
-# ---------------------------------------------------------------------------------------------- request matching
-@dataclass(eq=False)
-class Entry:
-    """One request's state as the table sees it: the target ids it has seen, and the caller's payload."""
-
-    ids: np.ndarray  # (n,) the row's ids when it was last matched
-    payload: object = None  # the caller's per-request state (None until the caller sets it)
-    idle: int = 0  # consecutive propose calls in which no row matched it
-    number: int = field(default=0)  # creation order: ties between equal matches go to the older entry
-
-
-class RequestTable:
-    """Per-request states found again from token ids (the rule: this module's docstring)."""
-
-    def __init__(self, idle_calls: int = 4, max_states: int = 1024, on_drop=None):
-        """`on_drop(payload)`: called with each dropped entry's payload (to hand its resources back)."""
-        if idle_calls < 0 or max_states < 1:
-            raise ValueError(f"need idle_calls >= 0 and max_states >= 1, got {idle_calls}, {max_states}")
-        self.idle_calls, self.max_states = idle_calls, max_states
-        self.on_drop = on_drop
-        self.entries: list[Entry] = []
-        self.created = self.dropped = 0
-
-    def assign(self, rows: Sequence[np.ndarray | None]) -> list[tuple[Entry, int] | None]:
-        """For each row (its ids, or None for a row that wants no proposal): (its entry, how many of the row's ids
-        the entry had seen: 0 for a new entry) -> the entry's `ids` become the row's. Entries that no row matched
-        age by one call; those idle more than `idle_calls`, then the longest idle past `max_states`, are dropped."""
-        pairs = []  # (-matched length, entry number, row, entry)
-        for r, row in enumerate(rows):
-            if row is None:
-                continue
-            for e in self.entries:
-                n = len(e.ids)
-                if n <= len(row) and (n == 0 or row[n - 1] == e.ids[-1]) and np.array_equal(row[:n], e.ids):
-                    pairs.append((-n, e.number, r, e))
-        pairs.sort(key=lambda p: p[:3])
-        out: list[tuple[Entry, int] | None] = [None] * len(rows)
-        taken: set[int] = set()
-        for neg_n, _, r, e in pairs:
-            if out[r] is None and id(e) not in taken:
-                out[r] = (e, -neg_n)
-                taken.add(id(e))
-        for e in self.entries:
-            e.idle = 0 if id(e) in taken else e.idle + 1
-        for r, row in enumerate(rows):
-            if row is None:
-                continue
-            if out[r] is None:
-                e = Entry(np.empty(0, dtype=row.dtype), number=self.created)
-                self.created += 1
-                self.entries.append(e)
-                out[r] = (e, 0)
-            out[r][0].ids = np.array(row, copy=True)
-        self._drop()
-        return out
-
-    def _drop(self) -> None:
-        keep = [e for e in self.entries if e.idle <= self.idle_calls]
-        if len(keep) > self.max_states:
-            keep.sort(key=lambda e: (e.idle, -e.number))
-            keep = keep[: self.max_states]
-            keep.sort(key=lambda e: e.number)
-        self.dropped += len(self.entries) - len(keep)
-        if self.on_drop is not None and len(keep) < len(self.entries):
-            kept = {id(e) for e in keep}
-            for e in self.entries:
-                if id(e) not in kept and e.payload is not None:
-                    self.on_drop(e.payload)
-        self.entries = keep
 
 
 # ---------------------------------------------------------------------------------------------- one request
