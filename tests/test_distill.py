@@ -158,6 +158,18 @@ def test_a_pair_that_cannot_be_bridged_is_refused(sp_tokenizer, tiny_target, tmp
     assert list(tmp_path.iterdir()) == []  # nothing written: no output, no work folder to resume
 
 
+def test_engine_vllm_without_vllm_is_named(pair, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails as if it were not installed
+    monkeypatch.setattr(distill_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(XTokSpecError, match=r"engine='vllm' \(--engine vllm\) needs vLLM: pip install vllm"):
+        distill(*pair, PROMPTS, tmp_path / "out", engine="vllm", **QUICK)
+    with pytest.raises(XTokSpecError, match="engine must be one of"):
+        distill(*pair, PROMPTS, tmp_path / "out", engine="sglang", **QUICK)
+    assert list(tmp_path.iterdir()) == []  # named before anything is generated or written
+
+
 def test_lora_without_peft_is_named(pair, tmp_path, monkeypatch):
     import sys
 

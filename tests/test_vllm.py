@@ -693,6 +693,41 @@ def vllm_outputs(request, heldout_prompts):
 
 @needs_vllm
 @pytest.mark.vllm
+def test_distill_continuations_through_vllm_are_the_targets(heldout_prompts, tmp_path):
+    """`xtokspec distill --engine vllm`: vLLM's greedy continuations (float32) are transformers' own, with the
+    same top log-probabilities per token (the token-level loss's targets); sampled ones are continuations of their
+    own; a whole run through vLLM writes a draft that loads."""
+    for name, value in VLLM_ENV.items():
+        os.environ.setdefault(name, value)
+    from xtokspec.distill import distill
+    from xtokspec.distill_data import VllmGenerator, continue_prompts
+
+    model, tokenizer = load_fixture_model("ja-target")
+    prompts = heldout_prompts[:6]
+    generator = VllmGenerator(MODELS / "ja-target", "float32", seed=0, max_model_len=256)
+    try:
+        greedy = continue_prompts(model, tokenizer, prompts, "greedy", 16, 0, top_k=4, generator=generator)
+        sampled = continue_prompts(model, tokenizer, prompts, "sampled", 16, 1, generator=generator)
+    finally:
+        generator.close()
+    reference = continue_prompts(model, tokenizer, prompts, "greedy", 16, 0, top_k=4)
+    assert [r["continuation"] for r in greedy] == [r["continuation"] for r in reference]
+    assert [r["eos"] for r in greedy] == [r["eos"] for r in reference]
+    for ours, theirs in zip(greedy, reference, strict=True):
+        assert [t[0] for t in ours["target_top"]] == [t[0] for t in theirs["target_top"]]  # the same byte offsets
+        for (_, ids, logprobs), (_, ref_ids, ref_logprobs) in zip(ours["target_top"], theirs["target_top"], strict=True):
+            assert ids[0] == ref_ids[0] and logprobs == sorted(logprobs, reverse=True)
+            assert abs(logprobs[0] - ref_logprobs[0]) < 1e-2, (logprobs, ref_logprobs)
+    assert all(r["mode"] == "sampled" for r in sampled)
+    assert [r["continuation"] for r in sampled] != [r["continuation"] for r in greedy]
+    report = distill("ja-target", "ja-draft-bpe", prompts, tmp_path / "out", engine="vllm", modes=("greedy",),
+                     new_tokens=8, max_steps=2, batch_size=4, eval_count=0, dtype="float32", progress=False)
+    assert report["data"]["continuations"] == 6 and report["training"]["steps"] == 2
+    assert (tmp_path / "out" / "config.json").exists() and report["settings"]["engine"] == "vllm"
+
+
+@needs_vllm
+@pytest.mark.vllm
 @uses("single")
 def test_vllm_greedy_one_request_at_a_time_equals_target_alone(vllm_outputs):
     alone, with_proposer = vllm_outputs["alone"]["single"], vllm_outputs["proposer"]["single"]

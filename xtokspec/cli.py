@@ -214,7 +214,7 @@ def _distill(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
             lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
             eval_count=args.eval_count, eval_new_tokens=args.eval_new_tokens,
-            eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype,
+            eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
         )
     except KeyboardInterrupt:
         print(f"xtokspec: interrupted; the data and the last checkpoint are in {args.out}.partial: run the same "
@@ -268,6 +268,9 @@ def _add_distill_parser(sub) -> None:
     dis.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=list(d.modes),
                      help="continuations per prompt: greedy, sampled (T=1, the full distribution), or both")
     dis.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts per batched target generate")
+    dis.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
+                     help="what generates the target's continuations: transformers' generate, or vLLM (installed "
+                          "separately; it loads the target a second time, for generation only)")
     dis.add_argument("--max-steps", type=int, default=d.max_steps, help="training steps")
     dis.add_argument("--max-seconds", type=float, default=None,
                      help="wall budget for data and training: generation stops starting batches past half of it, "

