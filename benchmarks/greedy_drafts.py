@@ -72,9 +72,8 @@ def main() -> None:
     for n, prompt in enumerate(prompts):
         for seed in range(args.seeds):
             row = {"prompt": n, "seed": seed}
-            for way in ("sampled", "greedy"):
-                patch = mock.patch.object(xtokspec.spec, "ChainProposer", GreedyDrafts) if way == "greedy" else None
-                with patch or mock.patch.object(xtokspec.spec, "ChainProposer", ChainProposer):
+            for way, proposer in (("sampled", ChainProposer), ("greedy", GreedyDrafts)):
+                with mock.patch.object(xtokspec.spec, "ChainProposer", proposer):
                     stats = spec.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=True,
                                           temperature=args.temperature, seed=seed).stats
                 row[way] = {"calls": stats.target_forwards, "tokens": stats.new_tokens, "drafted": stats.drafted,

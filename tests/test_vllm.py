@@ -439,7 +439,8 @@ def test_captured_drafts_on_a_cpu_warn_and_run_eagerly():
 def test_captured_drafts_on_cuda_propose_what_eager_ones_do(heldout_prompts, monkeypatch):
     """On a GPU with `xtokspec_draft_graphs`: each request's draft steps replay CUDA graphs over its own static
     cache; proposals equal the eager static caches' step for step, outputs are the target's own, and a second
-    wave of requests takes the first wave's caches with their graphs (no new cache, no new graph)."""
+    wave of requests takes the first wave's caches with their graphs (no new cache; new graphs only for step
+    lengths a cache had not run, a few per request, where recording per step would add dozens)."""
     model, tokenizer = load_fixture_model("ja-target")
     model = model.to("cuda")
     waves = [[tokenizer(p)["input_ids"] for p in heldout_prompts[n : n + 4]] for n in (0, 4)]

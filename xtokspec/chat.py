@@ -14,11 +14,16 @@ from __future__ import annotations
 from .types import XTokSpecError
 
 
+def special_tokens(tokenizer) -> dict[int, str]:
+    """`tokenizer`'s special tokens, id -> text: declared ones and added tokens marked special."""
+    special = {i: tokenizer.convert_ids_to_tokens(i) for i in tokenizer.all_special_ids}
+    special |= {i: token.content for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return special
+
+
 def special_texts(tokenizer) -> set[str]:
-    """The texts of `tokenizer`'s special tokens (declared ones and added tokens marked special)."""
-    texts = set(tokenizer.all_special_tokens)
-    texts |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    return texts
+    """The texts of `tokenizer`'s special tokens (`special_tokens`)."""
+    return set(tokenizer.all_special_tokens) | set(special_tokens(tokenizer).values())
 
 
 def render(messages, target_tokenizer, draft_tokenizer) -> tuple[str, str]:
@@ -51,9 +56,8 @@ class DraftView:
         self.tokenizer = target_tokenizer
         self.draft_bos = draft_tokenizer.bos_token
         hidden = set(hidden_specials(target_tokenizer, draft_tokenizer))
-        special = {i: target_tokenizer.convert_ids_to_tokens(i) for i in target_tokenizer.all_special_ids}
-        special |= {i: token.content for i, token in target_tokenizer.added_tokens_decoder.items() if token.special}
-        self.shown = {i: ("" if text in hidden else text) for i, text in special.items()}  # special id -> its text
+        self.shown = {i: ("" if text in hidden else text)  # special id -> its text in the draft's view
+                      for i, text in special_tokens(target_tokenizer).items()}
 
     def text(self, ids) -> str:
         pieces, run = [], []

@@ -237,7 +237,7 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
     source = read_prompts(prompts)
     held = read_prompts(eval_prompts, "held-out prompts") if eval_prompts is not None else None
     train_prompts, held = split_prompts(source, held, settings)
-    check_source(target, "target (large)")
+    target_source = check_source(target, "target (large)")  # a folder, bundled model or hub id, as resolved
     check_source(draft, "draft (small)")
     identity = {"target": _name(target), "draft": _name(draft), "train_prompts": _hash(train_prompts),
                 "eval_prompts": _hash(held), "settings": {k: list(v) if isinstance(v, tuple) else v
@@ -284,7 +284,7 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
         generator = None
         if settings.engine == "vllm":
             longest = max(len(spec.target.encode_prompt(p)) for p in train_prompts)
-            generator = VllmGenerator(check_source(target, "target (large)"), settings.dtype, settings.seed,
+            generator = VllmGenerator(target_source, settings.dtype, settings.seed,
                                       max_model_len=longest + settings.new_tokens + 8)
         with data_path.open("a", encoding="utf-8") as f:
             for b, batch in enumerate(batches):

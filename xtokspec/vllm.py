@@ -269,9 +269,8 @@ class TextBridgeProposer:
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
-        kv = request.state.kv
         if self.draft_backend == "static" and len(self.idle_kv) < self.table.max_states:
-            self.idle_kv.append(kv)
+            self.idle_kv.append(request.state.kv)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands over the target model here; the draft was loaded in the constructor."""
