@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 from model_helpers import tiny_llama, tiny_neox
 
 from xtokspec import XTokSpec, XTokSpecError
@@ -55,6 +56,11 @@ def test_distilled_draft_is_accepted_more_and_output_stays_the_targets(pair, tmp
     assert before["token_acceptance"] < 0.05
     assert after["token_acceptance"] >= before["token_acceptance"] + 0.2, report["evaluation"]
     assert after["greedy_same_as_target"] == "8/8"
+    # The teacher-forced agreement on the same 8 prompts moves with it, its 95% interval above zero.
+    # measured: 0.00 -> 0.49, gain interval 0.41 to 0.57
+    agreement = report["evaluation"]["agreement"]
+    assert agreement["prompts"] == 8 and agreement["before"] < 0.05, agreement
+    assert agreement["gain"] >= 0.2 and agreement["gain_ci95"][0] > 0, agreement
     assert report["data"]["train_prompts"] == 192 and report["data"]["continuations"] == 192
     assert report["training"]["steps"] == 150
     assert report["training"]["last_logged_loss"] < report["training"]["first_logged_loss"] - 1
@@ -87,8 +93,6 @@ def test_the_prompt_is_out_of_the_loss(bpe_tokenizer):
 
 
 def test_continuations_cut_inside_a_character_lose_the_partial_character(sp_tokenizer):
-    import torch
-
     class Scripted(torch.nn.Module):
         """A 'model' whose generate appends fixed ids: 東 (3 byte tokens) then the first byte of 京."""
 
@@ -208,9 +212,17 @@ def test_an_interrupted_run_resumes_without_generating_again(pair, tmp_path, mon
     with pytest.raises(XTokSpecError, match="--resume: .* was started with other settings"):
         distill(*pair, PROMPTS, out, resume=True, **{**QUICK, "new_tokens": 13})
     monkeypatch.setattr(distill_module, "train_draft", real_train)
-    monkeypatch.setattr(distill_module, "continue_prompts", interrupted)  # the data is there: no generation
+    continued, real_continue = [], distill_module.continue_prompts
+
+    def recorded(model, tokenizer, prompts, *args, **kwargs):
+        continued.extend(prompts)
+        return real_continue(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "continue_prompts", recorded)
     report = distill(*pair, PROMPTS, out, resume=True, **QUICK)
     assert report["data"]["continuations"] == 198 and not partial.exists()
+    _, held = split_prompts(PROMPTS, None, DistillSettings(eval_count=2))
+    assert continued == held  # the data is there: only the evaluation's held-out prompts are continued
     assert (out / "distill_data.jsonl").read_text(encoding="utf-8") == data
 
 
@@ -235,12 +247,15 @@ def test_cli_distills_model_folders(pair, tmp_path, capsys):
     prompts.write_text("\n".join(PROMPTS[:40]) + "\n", encoding="utf-8")
     args = ["distill", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--prompts", str(prompts),
             "--out", str(tmp_path / "out"), "--new-tokens", "8", "--max-steps", "3", "--batch-size", "4",
-            "--eval-count", "2", "--eval-new-tokens", "6", "--modes", "greedy", "sampled", "--no-progress"]
+            "--eval-count", "2", "--agreement-count", "4", "--eval-new-tokens", "6", "--modes", "greedy", "sampled",
+            "--no-progress"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "76 continuations, 3 steps" in err and "greedy per-token acceptance on 2 held-out prompts" in err
+    assert "72 continuations, 3 steps" in err and "greedy per-token acceptance on 2 held-out prompts" in err
+    assert "teacher-forced agreement with the target's greedy text on 4 held-out prompts" in err
     report = json.loads((tmp_path / "out" / REPORT_FILE).read_text(encoding="utf-8"))
-    assert report["data"]["per_mode"] == {"greedy": 38, "sampled": 38}
+    assert report["data"]["per_mode"] == {"greedy": 36, "sampled": 36}
+    assert report["evaluation"]["prompts"] == 2 and report["evaluation"]["agreement"]["prompts"] == 4
     assert main(args) == 2
     assert "exists: choose another output folder, or pass overwrite=True (--overwrite)" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
@@ -295,8 +310,6 @@ def test_a_time_budget_too_short_for_any_data_is_named(pair, tmp_path):
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_distill_trains_when_called_with_gradients_off(pair, tmp_path, mode):
     """A caller in no_grad or inference mode (an inference script, a notebook after generating) still trains."""
-    import torch
-
     draft_before = [p.detach().clone() for p in pair[1][0].parameters()]
     with getattr(torch, mode)():
         report = distill(*pair, PROMPTS, tmp_path / "out", **QUICK)
@@ -307,8 +320,6 @@ def test_distill_trains_when_called_with_gradients_off(pair, tmp_path, mode):
 
 def test_first_difference_reports_where_and_by_what_margin_an_output_departs(pair):
     """The margin of a departure is the target's own logit gap there (a near-tie is told from a bug by it)."""
-    import torch
-
     (model, tokenizer), _ = pair
     prompt_ids = tokenizer("ファイルの設定", add_special_tokens=True)["input_ids"]
     ids = torch.tensor([prompt_ids])
@@ -323,3 +334,56 @@ def test_first_difference_reports_where_and_by_what_margin_an_output_departs(pai
     assert found["margin"] == pytest.approx(float(logits[reference[3]] - logits[other]), abs=1e-4)
     assert found["margin"] >= 0  # greedy: the target's own choice is its argmax
     assert first_difference(model, prompt_ids, reference, reference[:4]) is None  # a prefix agrees
+
+
+class _ReadsAhead(torch.nn.Module):
+    """A 'draft' whose argmax at each position is the next input id: it agrees with any text, token for token,
+    when its logits line up with the positions they predict; an off-by-one in that alignment scores about zero."""
+
+    def __init__(self, vocab: int, keeps: bool = True):
+        super().__init__()
+        self.vocab, self.keeps = vocab, keeps
+
+    def get_input_embeddings(self):
+        return torch.nn.Embedding(1, 1)
+
+    def forward(self, input_ids, **kwargs):
+        if not self.keeps and "logits_to_keep" in kwargs:
+            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+        ahead = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (1, T)
+        logits = torch.nn.functional.one_hot(ahead, self.vocab).float()  # (1, T, V)
+        keep = kwargs.get("logits_to_keep", 0)
+        return type("Out", (), {"logits": logits[:, -keep:] if keep else logits})()
+
+
+@pytest.mark.parametrize("keeps", [True, False], ids=["logits_to_keep", "full-logits"])
+def test_agreement_counts_the_continuations_tokens_the_draft_predicts(bpe_tokenizer, keeps):
+    records = [{"prompt": "設定ファイル", "continuation": "を表示するユーザー", "eos": True},
+               {"prompt": "画面", "continuation": "", "eos": False},  # nothing to score
+               {"prompt": "コマンドは", "continuation": "オプションです。", "eos": False}]
+    counts = distill_module.agreement_counts(_ReadsAhead(len(bpe_tokenizer), keeps), bpe_tokenizer, records)
+    sizes = [sum(label != -100 for label in training_examples(bpe_tokenizer, [r], 64)[0]["labels"])
+             for r in (records[0], records[2])]
+    assert counts == [(sizes[0], sizes[0]), (0, 0), (sizes[1], sizes[1])]
+    assert sizes[0] >= 3 and sizes[1] >= 2  # the continuations' tokens, EOS included where the target ended
+
+    class Copies(_ReadsAhead):  # the control: its argmax is the current id, almost never the next one
+        def forward(self, input_ids, **kwargs):
+            return super().forward(torch.cat([input_ids[:, -1:], input_ids[:, :-1]], dim=1), **kwargs)
+
+    wrong = distill_module.agreement_counts(Copies(len(bpe_tokenizer), keeps), bpe_tokenizer, records)
+    assert sum(h for h, _ in wrong) <= 1 and [n for _, n in wrong] == [n for _, n in counts]
+
+
+def test_paired_interval_resamples_prompts():
+    same = [(3, 10), (0, 4), (7, 7)]
+    assert distill_module.paired_interval(same, same) == [0.0, 0.0]  # no gain on any resample
+    # Every prompt gains the same share: every resample gains exactly that.
+    lo, hi = distill_module.paired_interval([(2, 10), (1, 5)], [(4, 10), (2, 5)])
+    assert lo == pytest.approx(0.2) and hi == pytest.approx(0.2)
+    # Prompts that disagree: the interval spans the point gain, wider with fewer prompts.
+    before, after = [(5, 10)] * 20, [(9, 10)] * 10 + [(4, 10)] * 10
+    lo, hi = distill_module.paired_interval(before, after)
+    assert lo < 0.15 < hi and hi - lo > 0.1
+    lo4, hi4 = distill_module.paired_interval(before * 4, after * 4)
+    assert lo4 < 0.15 < hi4 and hi4 - lo4 < (hi - lo) * 0.7

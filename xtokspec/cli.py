@@ -213,7 +213,7 @@ def _distill(args: argparse.Namespace) -> int:
             prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
             lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
-            eval_count=args.eval_count, eval_new_tokens=args.eval_new_tokens,
+            eval_count=args.eval_count, agreement_count=args.agreement_count, eval_new_tokens=args.eval_new_tokens,
             eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
         )
     except KeyboardInterrupt:
@@ -225,12 +225,19 @@ def _distill(args: argparse.Namespace) -> int:
           f"{data['continuations']} continuations, {training['steps']} steps, {report['distill_seconds']:.0f} s "
           f"(data {data['seconds']:.0f} s, training {training['seconds']:.0f} s)", file=sys.stderr)
     evaluation = report["evaluation"]
-    if evaluation:
+    if evaluation and "before" in evaluation:
         for key, label in (("token_acceptance", "greedy per-token acceptance"),
                            ("tokens_per_call_sampled", f"tokens per target call at T={evaluation['temperature']}"),
                            ("speedup", "greedy speed-up over the target alone")):
+            lo, hi = evaluation["token_acceptance_gain_ci95"] if key == "token_acceptance" else (None, None)
+            interval = f" (gain 95% interval {lo:+.3f} to {hi:+.3f})" if lo is not None else ""
             print(f"[xtokspec] {label} on {evaluation['prompts']} held-out prompts: "
-                  f"{evaluation['before'][key]:.3f} -> {evaluation['after'][key]:.3f}", file=sys.stderr)
+                  f"{evaluation['before'][key]:.3f} -> {evaluation['after'][key]:.3f}{interval}", file=sys.stderr)
+    if evaluation:
+        g = evaluation["agreement"]
+        print(f"[xtokspec] teacher-forced agreement with the target's greedy text on {g['prompts']} held-out prompts: "
+              f"{g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f}, 95% interval {g['gain_ci95'][0]:+.3f} "
+              f"to {g['gain_ci95'][1]:+.3f})", file=sys.stderr)
     return 0
 
 
@@ -259,7 +266,12 @@ def _add_distill_parser(sub) -> None:
     dis.add_argument("--eval-prompts", default=None, metavar="FILE",
                      help="held-out prompts for the before/after evaluation (same formats); by default "
                      "--eval-count prompts of --prompts are held out and never trained on")
-    dis.add_argument("--eval-count", type=int, default=d.eval_count, help="held-out prompts evaluated (0: no evaluation)")
+    dis.add_argument("--eval-count", type=int, default=d.eval_count,
+                     help="held-out prompts run through the decoder before and after (0: none)")
+    dis.add_argument("--agreement-count", type=int, default=d.agreement_count,
+                     help="held-out prompts of the teacher-forced agreement with the target's greedy text, before "
+                     "and after, with a 95%% interval on the gain: one draft forward per prompt, so many prompts "
+                     "are cheap and narrow the interval (0: the --eval-count ones)")
     dis.add_argument("--max-prompts", type=int, default=None, help="train on at most this many prompts (default: all)")
     dis.add_argument("--prompt-chars", type=_prompt_chars, default=None, metavar="MIN-MAX",
                      help="cut each training prompt to a seeded length of MIN to MAX characters (for paragraphs "

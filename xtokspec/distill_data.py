@@ -43,6 +43,7 @@ class DistillSettings:
     token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
     token_top_k: int = 16  # target probabilities kept per position for it
     eval_count: int = 16  # held-out prompts split off the prompt source when no eval_prompts are given
+    agreement_count: int = 0  # held-out prompts of the teacher-forced agreement (0: the eval_count ones)
     eval_new_tokens: int = 64
     eval_temperature: float = 0.7
     seed: int = 0
@@ -59,8 +60,10 @@ class DistillSettings:
                 raise XTokSpecError(f"{name} must be a positive integer, got {value!r}")
         if self.max_prompts is not None and self.max_prompts <= 0:
             raise XTokSpecError(f"max_prompts must be a positive integer, got {self.max_prompts!r}")
-        if self.eval_count < 0:
-            raise XTokSpecError(f"eval_count must be 0 or more, got {self.eval_count!r}")
+        for name in ("eval_count", "agreement_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise XTokSpecError(f"{name} must be 0 or more, got {value!r}")
         if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
             raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")
         if not self.token_loss >= 0:
@@ -112,19 +115,21 @@ def read_prompts(source, what: str = "prompts") -> list[str]:
 
 def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: DistillSettings
                   ) -> tuple[list[str], list[str]]:
-    """(training prompts, held-out prompts): the held-out ones are `eval_prompts` when given, else
-    `settings.eval_count` prompts drawn (seeded) from the source; a training prompt never equals a held-out one."""
+    """(training prompts, held-out prompts): the held-out ones are the first `held_count(settings)` of
+    `eval_prompts` when given, else that many prompts drawn (seeded) from the source; a training prompt never
+    equals a held-out one."""
     rng = random.Random(settings.seed)
     order = list(dict.fromkeys(prompts))  # de-duplicated, first occurrence kept
     rng.shuffle(order)
+    count = held_count(settings)
     if eval_prompts is None:
-        if settings.eval_count and len(order) <= settings.eval_count:
-            raise XTokSpecError(f"{len(order)} distinct prompts cannot keep {settings.eval_count} held out and "
-                                "train on the rest: give more prompts, eval_prompts (--eval-prompts FILE), or a "
-                                "smaller eval_count (--eval-count)")
-        held, train = order[: settings.eval_count], order[settings.eval_count :]
+        if count and len(order) <= count:
+            raise XTokSpecError(f"{len(order)} distinct prompts cannot keep {count} held out and train on the "
+                                "rest: give more prompts, eval_prompts (--eval-prompts FILE), or a smaller "
+                                "eval_count (--eval-count) and agreement_count (--agreement-count)")
+        held, train = order[:count], order[count:]
     else:
-        held = list(dict.fromkeys(eval_prompts))[: settings.eval_count or None] if settings.eval_count else []
+        held = list(dict.fromkeys(eval_prompts))[:count]
         train = [p for p in order if p not in set(eval_prompts)]
         if not train:
             raise XTokSpecError("every training prompt is also a held-out prompt: nothing is left to train on")
@@ -135,6 +140,12 @@ def split_prompts(prompts: list[str], eval_prompts: list[str] | None, settings: 
     if settings.max_prompts is not None:
         train = train[: settings.max_prompts]
     return train, held
+
+
+def held_count(settings: DistillSettings) -> int:
+    """How many held-out prompts a run keeps: the decoder's evaluation uses the first eval_count of them, the
+    teacher-forced agreement the first agreement_count (or the same eval_count ones when that is 0)."""
+    return max(settings.eval_count, settings.agreement_count)
 
 
 # ---------------------------------------------------------------- phase 1: the target's continuations
