@@ -357,15 +357,29 @@ class _ReadsAhead(torch.nn.Module):
 
 
 @pytest.mark.parametrize("keeps", [True, False], ids=["logits_to_keep", "full-logits"])
-def test_agreement_counts_the_continuations_tokens_the_draft_predicts(bpe_tokenizer, keeps):
+def test_agreement_counts_the_continuations_characters_the_draft_writes(bpe_tokenizer, keeps):
     records = [{"prompt": "設定ファイル", "continuation": "を表示するユーザー", "eos": True},
                {"prompt": "画面", "continuation": "", "eos": False},  # nothing to score
                {"prompt": "コマンドは", "continuation": "オプションです。", "eos": False}]
     counts = distill_module.agreement_counts(_ReadsAhead(len(bpe_tokenizer), keeps), bpe_tokenizer, records)
-    sizes = [sum(label != -100 for label in training_examples(bpe_tokenizer, [r], 64)[0]["labels"])
-             for r in (records[0], records[2])]
-    assert counts == [(sizes[0], sizes[0]), (0, 0), (sizes[1], sizes[1])]
-    assert sizes[0] >= 3 and sizes[1] >= 2  # the continuations' tokens, EOS included where the target ended
+    assert counts == [(9, 9), (0, 0), (8, 8)]  # every character of the two continuations, written
+    # Wrong on one token: the characters it covers, and only those, are not written.
+    enc = bpe_tokenizer("設定ファイルを表示するユーザー", return_offsets_mapping=True)
+    last, (a, b) = enc["input_ids"][-1], enc["offset_mapping"][-1]
+
+    class MissesLast(_ReadsAhead):
+        def forward(self, input_ids, **kwargs):
+            out = super().forward(input_ids, **kwargs)
+            out.logits[..., last] -= 2  # where `last` comes next, another id (all zeros) ties ahead at argmax
+            return out
+
+    missed = distill_module.agreement_counts(MissesLast(len(bpe_tokenizer), keeps), bpe_tokenizer, records[:1])
+    assert 0 < b - a < 9 and missed == [(9 - (b - a), 9)]
+    # Per token of a tokenizer (the target's, in distill): here the draft's own, so one token of them is missed.
+    tokens = sum(a >= len("設定ファイル") for a, _ in enc["offset_mapping"])
+    per_token = distill_module.agreement_counts(MissesLast(len(bpe_tokenizer), keeps), bpe_tokenizer, records[:1],
+                                                units=bpe_tokenizer)
+    assert tokens >= 2 and per_token == [(tokens - 1, tokens)]
 
     class Copies(_ReadsAhead):  # the control: its argmax is the current id, almost never the next one
         def forward(self, input_ids, **kwargs):

@@ -159,38 +159,65 @@ def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temp
 
 
 @torch.inference_mode()
-def agreement_counts(model, tokenizer, records: Sequence[dict]) -> list[tuple[int, int]]:
+def agreement_counts(model, tokenizer, records: Sequence[dict], units=None) -> list[tuple[int, int]]:
     """For each record (a prompt and the target's greedy continuation of it), teacher-forced: (how many of the
-    continuation's tokens in the draft's tokenization are the draft's argmax given the text before them, how many
-    tokens there are). Greedy speculation accepts a draft's text while it is the target's, so this share tracks
-    the decoder's acceptance without running it, one forward per prompt; its unit is the draft's token, not the
-    target's, so it is not the same number as `GenerationStats.token_acceptance`."""
+    continuation's units the draft writes as the text has them, how many units there are). A unit is one token
+    of the `units` tokenizer (the target's: then the share is a teacher-forced analogue of the decoder's
+    per-token acceptance) or, without one, a character. The draft reads prompt + continuation in its own
+    tokenization; a unit counts as written when every draft token covering its characters is the draft's argmax
+    given the tokens before it; units that a draft token starting in the prompt reaches into are left out (no
+    continuation context predicts them).
+
+    Greedy drafting from text the target accepted writes exactly these tokens while its argmaxes are right, so
+    the share tracks the decoder's greedy acceptance without running it, one forward per prompt. Draft tokens
+    are not the unit: a byte-level draft splits a Japanese character into byte tokens whose trailing ones are
+    easy to predict, which would count the same text as better agreed. Not `GenerationStats.token_acceptance`
+    itself (there drafts are cut into cycles and the draft reads its own retokenization of the accepted text)."""
     device = input_device(model)
     counts = []
     for record in records:
-        (example,) = training_examples(tokenizer, [record], max_length=1 << 30) or [None]
-        if example is None:
+        start, text = len(record["prompt"]), record["prompt"] + record["continuation"]
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
+        ids, spans = list(enc["input_ids"]), list(enc["offset_mapping"])  # spans: (first char, end char)
+        scored = [j for j, (a, b) in enumerate(spans) if j > 0 and a >= start and b > a]  # predicted at j - 1
+        if not scored:
             counts.append((0, 0))
             continue
-        labels = torch.tensor(example["labels"][1:], device=device)  # label of position i + 1, predicted at i
-        first = int((labels != -100).nonzero()[0])  # the prompt is out: logits from there on are enough
-        ids = torch.tensor([example["input_ids"]], device=device)
+        first = scored[0]
+        x = torch.tensor([ids], device=device)
         try:  # the vocabulary's logits at the continuation only (a 262k-token head dominates a small draft)
-            logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - first).logits[0, :-1]
+            logits = model(input_ids=x, logits_to_keep=len(ids) - first + 1).logits[0, :-1]
         except TypeError:  # a model without logits_to_keep
-            logits = model(input_ids=ids).logits[0, first:-1]
-        hits = (logits.argmax(-1) == labels[first:]) & (labels[first:] != -100)
-        counts.append((int(hits.sum()), int((labels[first:] != -100).sum())))
+            logits = model(input_ids=x).logits[0, first - 1 : -1]
+        right = (logits.argmax(-1) == x[0, first:]).tolist()  # token first + n predicted right
+        scored_set = set(scored)
+        chars: dict[int, bool | None] = {}  # continuation character -> written (None: a prompt token covers it)
+        for j, (a, b) in enumerate(spans):
+            for c in range(max(a, start), b):
+                if j not in scored_set or chars.get(c, True) is None:
+                    chars[c] = None
+                else:
+                    chars[c] = chars.get(c, True) and right[j - first]
+        if units is None:
+            unit_spans = [(c, c + 1) for c in range(start, len(text))]
+        else:
+            unit_spans = [(a, b) for a, b in units(text, return_offsets_mapping=True, add_special_tokens=False)
+                          ["offset_mapping"] if a >= start and b > a]
+        written = [[chars.get(c) for c in range(a, b) if c in chars] for a, b in unit_spans]
+        kept = [all(w) for w in written if w and None not in w]
+        counts.append((sum(kept), len(kept)))
     return counts
 
 
 def agreement(target, drafts: dict, prompts: Sequence[str], new_tokens: int, batch: int = 16, seed: int = 0,
               codec=None, progress: bool = True, records: Sequence[dict] | None = None) -> dict:
     """Teacher-forced agreement of each draft (label -> (model, tokenizer)) with the target's greedy text on
-    `prompts` (see agreement_counts): the target continues them greedily in batches of `batch` (or `records`,
-    continue_prompts' greedy records of them, are given), each draft scores every continuation in one forward. With drafts "before" and "after": the gain, after - before, with a
-    95% bootstrap interval over prompts (paired: both drafts score the same continuations). Cheap where the
-    decoder's evaluation is not (no speculation, no timing), so it can use many prompts."""
+    `prompts`, per target token (see agreement_counts; per character where the target's tokenizer is None): the
+    target continues them greedily in batches of `batch` (or `records`, continue_prompts' greedy records of them,
+    are given), each draft scores every continuation in one forward. With drafts "before" and "after": the gain,
+    after - before, with a 95% bootstrap interval over prompts (paired: both drafts score the same
+    continuations). Cheap where the decoder's evaluation is not (no speculation, no timing), so it can use many
+    prompts."""
     from tqdm.auto import tqdm
 
     model, tokenizer = target
@@ -200,7 +227,7 @@ def agreement(target, drafts: dict, prompts: Sequence[str], new_tokens: int, bat
             records += continue_prompts(model, tokenizer, prompts[i : i + batch], "greedy", new_tokens, seed, codec)
     elif [r["prompt"] for r in records] != list(prompts):
         raise XTokSpecError("agreement: the records given are not the continuations of the prompts given")
-    counts = {label: agreement_counts(m, tok, records) for label, (m, tok) in drafts.items()}
+    counts = {label: agreement_counts(m, tok, records, units=tokenizer) for label, (m, tok) in drafts.items()}
     result = {"prompts": len(prompts), "new_tokens": new_tokens,
               "positions": {label: sum(n for _, n in c) for label, c in counts.items()}}
     for label, c in counts.items():
