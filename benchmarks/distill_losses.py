@@ -1,0 +1,65 @@
+"""Sequence-level distillation alone against sequence-level plus the token-level loss, on the same data for the
+same steps: `xtokspec distill`'s training (`training_examples`, `train_draft`) run once per token-loss weight on
+one run's continuations (its distill_data.jsonl, which must carry the target's top ids: a run made with
+--token-loss), each trained draft saved under OUT/<name>/ for benchmarks/distill_agreement.py to score.
+
+    python benchmarks/distill_losses.py --target ~/.cache/xtokspec/real/qwen2.5-coder-1.5b \\
+        --draft ~/.cache/xtokspec/real/gemma-3-270m --data RUN/distill_data.jsonl --weights 0 1 --out DIR
+    python benchmarks/distill_agreement.py --target ... --base ... --distilled DIR/sequence-level \\
+        DIR/sequence+token-level --out DIR/agreement
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from xtokspec import XTokSpec
+from xtokspec.distill import DistillSettings, train_draft, training_examples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--data", type=Path, required=True, help="a run's distill_data.jsonl (with target_top)")
+    parser.add_argument("--weights", type=float, nargs="+", default=[0.0, 1.0], help="token-loss weights")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    records = [json.loads(line) for line in args.data.read_text(encoding="utf-8").splitlines()]
+    if not all("target_top" in r for r in records):
+        parser.error(f"{args.data} has no target_top: use the data of a run made with --token-loss")
+    spec = XTokSpec(args.target, args.draft, large_kwargs={"dtype": torch.bfloat16},
+                    small_kwargs={"dtype": torch.bfloat16})
+    target_to_draft = {t: d for d, t in enumerate(spec.vocab_maps.token_map.draft_to_target) if t >= 0}
+    summaries = {}
+    for weight in args.weights:
+        name = "sequence+token-level" if weight else "sequence-level"
+        settings = DistillSettings(max_steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
+                                   token_loss=weight, seed=0)
+        examples = training_examples(spec.draft_tokenizer, records, args.max_length, spec.draft,
+                                     target_to_draft if weight else None)
+        torch.manual_seed(0)
+        student = copy.deepcopy(spec.draft_model).to(torch.float32).train()
+        start = time.perf_counter()
+        student, summary = train_draft(student, spec.draft_tokenizer, examples, settings, args.out / f"work-{name}",
+                                       progress=False)
+        summary["wall_seconds"] = time.perf_counter() - start
+        student.to(torch.bfloat16).save_pretrained(args.out / name)
+        spec.draft_tokenizer.save_pretrained(args.out / name)
+        summaries[name] = {"token_loss": weight, **summary}
+        print(f"{name}: {summary['steps']} steps, {summary['wall_seconds']:.0f} s, loss "
+              f"{summary['first_logged_loss']:.2f} -> {summary['last_logged_loss']:.2f}", flush=True)
+    (args.out / "training.json").write_text(json.dumps(summaries, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
