@@ -18,6 +18,7 @@ trains on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--from-heldout", type=int, default=192)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--engine", default="vllm" if __import__("importlib").util.find_spec("vllm") else "transformers",
+    parser.add_argument("--engine", default="vllm" if importlib.util.find_spec("vllm") else "transformers",
                         choices=["vllm", "transformers"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -21,6 +21,7 @@ import torch
 
 from xtokspec import XTokSpec
 from xtokspec.distill import DistillSettings, train_draft, training_examples
+from xtokspec.distill_train import target_to_draft_ids
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
         parser.error(f"{args.data} has no target_top: use the data of a run made with --token-loss")
     spec = XTokSpec(args.target, args.draft, large_kwargs={"dtype": torch.bfloat16},
                     small_kwargs={"dtype": torch.bfloat16})
-    target_to_draft = {t: d for d, t in enumerate(spec.vocab_maps.token_map.draft_to_target) if t >= 0}
+    target_to_draft = target_to_draft_ids(spec.vocab_maps.token_map)
     summaries = {}
     for weight in args.weights:
         name = "sequence+token-level" if weight else "sequence-level"

@@ -3,7 +3,7 @@ down to plain data.
 
     types -> sampling, codec, kv, compile, options -> tree, bridge, cache, models, chat -> mapping, policy, propose, batch_draft,
     request_table,
-    verify -> loop -> spec, hf -> cli, bench, distill (distill_data, distill_train), report, vllm
+    verify -> loop -> spec, hf -> cli, bench, distill (distill_data, distill_train, distill_eval), report, vllm
 
 A module may import from its own layer or any layer below it (lazy imports inside functions count too). A module
 that is in no layer fails the check, so that a new one is placed on purpose."""
@@ -19,7 +19,7 @@ LAYERS = [
     ("mapping", "policy", "propose", "verify", "batch_draft", "request_table"),
     ("loop",),
     ("spec", "hf"),
-    ("cli", "bench", "distill", "distill_data", "distill_train", "report", "vllm", "__init__", "__main__"),
+    ("cli", "bench", "distill", "distill_data", "distill_train", "distill_eval", "report", "vllm", "__init__", "__main__"),
 ]
 LEVEL = {module: level for level, modules in enumerate(LAYERS) for module in modules}
 

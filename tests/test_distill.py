@@ -11,7 +11,7 @@ import pytest
 import torch
 from model_helpers import tiny_llama, tiny_neox
 
-from xtokspec import XTokSpec, XTokSpecError
+from xtokspec import XTokSpec, XTokSpecError, distill_eval
 from xtokspec import distill as distill_module
 from xtokspec.cli import main
 from xtokspec.distill import (
@@ -219,6 +219,7 @@ def test_an_interrupted_run_resumes_without_generating_again(pair, tmp_path, mon
         return real_continue(model, tokenizer, prompts, *args, **kwargs)
 
     monkeypatch.setattr(distill_module, "continue_prompts", recorded)
+    monkeypatch.setattr(distill_eval, "continue_prompts", recorded)
     report = distill(*pair, PROMPTS, out, resume=True, **QUICK)
     assert report["data"]["continuations"] == 198 and not partial.exists()
     _, held = split_prompts(PROMPTS, None, DistillSettings(eval_count=2))

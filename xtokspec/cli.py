@@ -201,7 +201,7 @@ def _prompt_chars(text: str) -> tuple[int, int]:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from .distill import distill
+    from .distill import distill, summary_lines
 
     _show_library_log()
     try:
@@ -224,20 +224,8 @@ def _distill(args: argparse.Namespace) -> int:
     print(f"[xtokspec] distilled {report['draft']} for {report['target']} into {args.out}: "
           f"{data['continuations']} continuations, {training['steps']} steps, {report['distill_seconds']:.0f} s "
           f"(data {data['seconds']:.0f} s, training {training['seconds']:.0f} s)", file=sys.stderr)
-    evaluation = report["evaluation"]
-    if evaluation and "before" in evaluation:
-        for key, label in (("token_acceptance", "greedy per-token acceptance"),
-                           ("tokens_per_call_sampled", f"tokens per target call at T={evaluation['temperature']}"),
-                           ("speedup", "greedy speed-up over the target alone")):
-            lo, hi = evaluation["token_acceptance_gain_ci95"] if key == "token_acceptance" else (None, None)
-            interval = f" (gain 95% interval {lo:+.3f} to {hi:+.3f})" if lo is not None else ""
-            print(f"[xtokspec] {label} on {evaluation['prompts']} held-out prompts: "
-                  f"{evaluation['before'][key]:.3f} -> {evaluation['after'][key]:.3f}{interval}", file=sys.stderr)
-    if evaluation:
-        g = evaluation["agreement"]
-        print(f"[xtokspec] teacher-forced agreement with the target's greedy text on {g['prompts']} held-out prompts: "
-              f"{g['before']:.3f} -> {g['after']:.3f} (gain {g['gain']:+.3f}, 95% interval {g['gain_ci95'][0]:+.3f} "
-              f"to {g['gain_ci95'][1]:+.3f})", file=sys.stderr)
+    for line in summary_lines(report):
+        print(f"[xtokspec] {line}", file=sys.stderr)
     return 0
 
 

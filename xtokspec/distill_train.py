@@ -48,6 +48,12 @@ def training_examples(tokenizer, records: Sequence[dict], max_length: int, codec
     return examples
 
 
+def target_to_draft_ids(token_map) -> dict[int, int]:
+    """Target id -> the draft id of the same bytes, from a `bridge.TokenMap`: the intersection of the vocabularies
+    that training_examples maps the target's top ids through."""
+    return {t: d for d, t in enumerate(token_map.draft_to_target) if t >= 0}
+
+
 def _soft_targets(codec, target_to_draft: dict[int, int], record: dict, ids: list[int], labels: list[int]) -> dict:
     """{"soft_pos": logit positions, "soft_ids": draft ids at each, "soft_p": their target probabilities} for one
     example (see training_examples); none where the draft's tokens do not spell the text byte for byte."""
