@@ -64,6 +64,34 @@ def block_output_distribution(target_probs: np.ndarray, proposal_probs: np.ndarr
     return table
 
 
+def onehot_guesses_output_distribution(target_probs: np.ndarray, guesses: dict[tuple[int, ...], float]) -> np.ndarray:
+    """Exact law of each output position of one one-hot block, shape (K+1, V+1) as
+    ``block_output_distribution``, when its K guesses are drawn from any law ``guesses`` ({guess tuple:
+    probability}) chosen before, and apart from, the target's draws.
+
+    Why xtokspec's proposal="onehot" stays lossless however the draft picks its guesses, token healing
+    included (SpecConfig.draft_healing: the draft reads the committed text one token short and its first
+    draw is restricted to tokens that restate that token, then renormalized; the guesses are then not drawn
+    from any distribution the target is told about). Proof sketch: for one fixed guess x, position i of the
+    block, given that it is reached, outputs x_i with probability p_i(x_i) (accepted) and v != x_i with
+    probability (1 - p_i(x_i)) * p_i(v) / (1 - p_i(x_i)) = p_i(v) (rejected, then the residual, p_i with x_i
+    removed): p_i itself, whatever x_i is. Only the chance of reaching position i depends on x. A law over
+    guesses that does not look at the target's uniforms or noise mixes these rows: row i[:V] = P(reach i) * p_i,
+    the target's law given the history. A guess that looks at the target's draws breaks it (the tests' control).
+    """
+    target_probs = np.asarray(target_probs, dtype=np.float64)  # (K+1, V)
+    num_draft_tokens, vocab_size = target_probs.shape[0] - 1, target_probs.shape[1]
+    if not np.isclose(sum(guesses.values()), 1.0):
+        raise ValueError(f"the guesses' probabilities must sum to 1, got {sum(guesses.values())}")
+    table = np.zeros((num_draft_tokens + 1, vocab_size + 1))
+    for guess, prob in guesses.items():
+        if len(guess) != num_draft_tokens:
+            raise ValueError(f"every guess must have K={num_draft_tokens} tokens, got {guess}")
+        onehot = np.eye(vocab_size)[list(guess)]  # (K, V)
+        table += prob * block_output_distribution(target_probs, onehot)
+    return table
+
+
 @dataclass(frozen=True, eq=False)
 class TableLM:
     """A language model given by a table: next-token probs from the last ``order`` tokens.

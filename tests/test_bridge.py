@@ -9,7 +9,7 @@ import vocabs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtokspec.bridge import TextSync, build_token_map, common_prefix_len, propose_target_ids
+from xtokspec.bridge import PrefixIndex, TextSync, build_token_map, common_prefix_len, propose_target_ids
 from xtokspec.codec import TokenCodec, utf8_valid_prefix_len
 from xtokspec.types import XTokSpecError
 
@@ -129,6 +129,51 @@ def test_a_branch_can_be_made_to_start_with_its_drawn_first_piece(sp, bpe):
         sync.propose_from(sp_id(sp, "東"), drafted)
 
 
+def test_prefix_index_finds_the_tokens_that_may_restate_text(bpe):
+    index = PrefixIndex(bpe.token_bytes)
+    tokyo, to = bpe.encode_fragment("東京")[0], bpe.encode_fragment("東")[0]
+    to_bytes = "東".encode()
+    brute = {i for i, tb in enumerate(bpe.token_bytes) if tb.startswith(to_bytes)}  # 東, 東京 and BPE's merges between
+    assert set(index.starting_with(to_bytes)) == brute and {to, tokyo} <= brute
+    assert index.extends(to_bytes) and not index.extends("東京".encode())
+    ids, covering = index.allowed(to_bytes)
+    assert set(ids) == brute and covering
+    # no token starts with "東京都": its proper prefixes may restate it one token at a time
+    ids, covering = index.allowed("東京都".encode())
+    assert not covering and tokyo in ids and to in ids and bpe.byte_ids[0xE6] in ids
+    assert all("東京都".encode().startswith(bpe.token_bytes[i]) for i in ids)
+    assert len(index.starting_with(b"")) == sum(1 for tb in bpe.token_bytes if tb)
+
+
+def test_healing_restates_the_drafts_last_token(sp, bpe):
+    """The target committed "東"; the draft's own token for it extends to "東京", so healing takes it back off the
+    draft's context: the committed "東" is pending, the draft restates it with its "東京" token, and the proposal
+    is what follows it. Once the text goes on, the drafted "東京" is kept."""
+    index = PrefixIndex(bpe.token_bytes)
+    sync = TextSync(sp, bpe)
+    keep, extra = sync.commit([sp_id(sp, "東")], drafted=[])
+    assert (keep, bpe.bytes_of(extra), sync.pending) == (0, "東".encode(), b"")
+    assert sync.heal(index) == 1
+    assert (sync.synced, sync.pending, sync.draft_ends) == (0, "東".encode(), [])
+    drafted = bpe.encode_fragment("東京都")  # 東京 | 都
+    assert pieces(sp, sync.propose(drafted)) == ["京", "都"]
+    assert sync.propose(bpe.encode_fragment("京都")) == []  # not a restatement of "東"
+    keep, extra = sync.commit([sp_id(sp, "京"), sp_id(sp, "野")], drafted)
+    assert keep == 1 and bpe.bytes_of(extra) == "野".encode()  # 東京 kept, 都 dropped, 野 re-encoded
+    assert sync.committed.decode() == "東京野"
+    assert sync.heal(index) == 0  # nothing in this vocabulary extends "野"
+
+
+def test_healing_leaves_an_incomplete_character_pending_after_the_healed_text(sp, bpe):
+    """The target committed 東 and the first two bytes of 𠮷: the draft restates 東 and completes 𠮷, whose last
+    bytes become the target's single-byte pieces."""
+    index = PrefixIndex(bpe.token_bytes)
+    sync = TextSync(sp, bpe)
+    sync.commit([sp_id(sp, "東"), sp_id(sp, "<0xF0>"), sp_id(sp, "<0xA0>")], drafted=[])
+    assert sync.heal(index) == 1 and sync.pending == "東".encode() + b"\xf0\xa0"
+    assert pieces(sp, sync.propose(bpe.encode_fragment("東𠮷野"))) == ["<0xAE>", "<0xB7>", "野"]
+
+
 def test_token_map_compares_bytes_not_strings(sp, bpe):
     tmap = build_token_map(bpe, sp, eos_pairs=[(0, 2)])
     (tokyo,) = bpe.encode_fragment("東京")
@@ -170,11 +215,18 @@ def fixture_codecs(sp_tokenizer, bpe_tokenizer):
     return TokenCodec(sp_tokenizer, name="ja-sp"), TokenCodec(bpe_tokenizer, name="ja-bpe")
 
 
+@pytest.fixture(scope="module")
+def fixture_index(fixture_codecs):
+    return PrefixIndex(fixture_codecs[1].token_bytes)
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)  # same examples every run: CI never flakes
-@given(lookbehind=st.integers(0, 3), text=texts, cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30), noise=st.lists(st.booleans(), max_size=30))
-def test_sync_invariants_on_random_unicode(fixture_codecs, lookbehind, text, cuts, noise):
-    """Over random cycles: committed == bytes of target ids, the draft's context == committed text up to its
-    last complete character, proposals restate drafted text, and the bridge never introduces U+FFFD."""
+@given(lookbehind=st.integers(0, 3), text=texts, cuts=st.lists(st.integers(1, 6), min_size=1, max_size=30),
+       noise=st.lists(st.booleans(), max_size=30), heal=st.lists(st.booleans(), max_size=30))
+def test_sync_invariants_on_random_unicode(fixture_codecs, fixture_index, lookbehind, text, cuts, noise, heal):
+    """Over random cycles, some of them healed: committed == bytes of target ids, the draft's context ==
+    committed text up to its last complete character (before a cycle heals it), proposals restate drafted text,
+    and the bridge never introduces U+FFFD."""
     target, draft = fixture_codecs
     target_ids = target.encode_fragment(text)
     truth = target.bytes_of(target_ids)
@@ -184,6 +236,11 @@ def test_sync_invariants_on_random_unicode(fixture_codecs, lookbehind, text, cut
     for n, cut in enumerate(cuts):
         if done >= len(target_ids):
             break
+        if n < len(heal) and heal[n]:
+            healed = sync.heal(fixture_index)
+            draft_cont = draft_cont[: len(draft_cont) - healed]
+            assert draft.bytes_of(draft_cont) == sync.committed[: sync.synced]
+            assert healed == 0 or utf8_valid_prefix_len(sync.pending) > 0
         seen_by_draft = truth[sync.synced :].decode("utf-8", errors="ignore")  # synced is a char boundary
         guess = seen_by_draft[: cut + 2] if not (n < len(noise) and noise[n]) else "x" + seen_by_draft[:cut]
         drafted = draft.encode_fragment(guess)
@@ -295,3 +352,68 @@ def test_first_pieces_on_the_fixture_tokenizers(fixture_codecs):
         want = target.encode_exact(text)[:1] if text else []
         assert got[d] == (want[0] if want else -1), (d, text)
     assert sum(g >= 0 for g in got) > 0.8 * len(got)  # the table is not mostly empty
+
+
+# ---------------------------------------------------------------- drafting that restates committed text
+class ScriptedDraft:
+    """A draft state whose next-token logits are a fixed preference order (V,), the same at every step."""
+
+    def __init__(self, preference):
+        import torch
+
+        self.logits = torch.tensor(preference, dtype=torch.float32)[None]  # (1, V)
+        self.ids: list[int] = []
+
+    def forward(self, keep):
+        return self.logits.clone()
+
+    def feed(self, tokens):
+        self.ids.append(int(tokens.view(-1)[0]))
+        return self.logits.clone()
+
+    def extend(self, ids):
+        self.ids.extend(ids)
+
+    def truncate(self, n):
+        del self.ids[n:]
+
+
+class Restating:
+    """The mapper's side of a restatement: `restate` bytes pending, the draft ids that may restate them."""
+
+    restrict, keeps_rows, kind = None, False, "greedy-bridge"
+
+    def __init__(self, table, restate):
+        self.index, self.restate, self.pending = PrefixIndex(table), restate, bool(restate)
+
+    def allowed(self, remaining):
+        return self.index.allowed(remaining)
+
+    def to_target(self, drafted, rows, eos):
+        return list(drafted), None
+
+
+@pytest.mark.parametrize("greedy_path", ["host", "device"])
+def test_the_first_drafted_tokens_restate_the_pending_text(greedy_path):
+    """The draft prefers "x" everywhere; with "ab" to restate, its first token is the one it likes best among
+    those starting with "ab" ("abz" over "ab"), or, where none does, "a" then "b" (each a prefix of what remains);
+    after the restatement it drafts freely again."""
+    from xtokspec.propose import ChainProposer
+    from xtokspec.types import Laps
+
+    table = [b"", b"x", b"a", b"b", b"ab", b"abz", b"q"]
+    preference = [0.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # x, then q, abz, ab, b, a
+    proposer = ChainProposer(set(), token_bytes=table)
+    draft = ScriptedDraft(preference)
+    if greedy_path == "host":
+        drafted, *_ = proposer._draft(draft, 3, Restating(table, b"ab"))
+    else:
+        drafted = proposer.propose(draft, 3, Restating(table, b"ab"), 3, Laps()).draft_ids
+    assert [table[i] for i in drafted] == [b"abz", b"x", b"x"]
+    without_ab = table[:4] + [b"-", b"-", b"q"]  # no token starts with "ab": the host loop restates it in two
+    drafted, *_ = ChainProposer(set(), token_bytes=without_ab)._draft(ScriptedDraft(preference), 4,
+                                                                        Restating(without_ab, b"ab"))
+    assert [without_ab[i] for i in drafted] == [b"a", b"b", b"x", b"x"]
+    drafted = ChainProposer(set(), token_bytes=without_ab).propose(
+        ScriptedDraft(preference), 4, Restating(without_ab, b"ab"), 4, Laps()).draft_ids
+    assert [without_ab[i] for i in drafted] == [b"a", b"b", b"x", b"x"]  # propose takes the host loop then

@@ -124,6 +124,23 @@ def test_the_draft_is_actually_used(bridged_spec, same_spec, heldout_prompts):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("healing", [True, False])
+def test_greedy_equals_target_with_and_without_healing(healing, ja_target, ja_draft_bpe, heldout_prompts,
+                                                        reference_cache):
+    """Token healing (the draft restates its last token each cycle) changes what is drafted, never what is
+    committed; it happens on most drafted cycles of the fixture pair, and never when it is off."""
+    from xtokspec import SpecConfig, XTokSpec
+
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(cache="dynamic", fallback=False, draft_healing=healing))
+    for line in check_prompts(spec, ja_target, heldout_prompts[:8] + HOSTILE_PROMPTS, NEW_TOKENS, reference_cache):
+        print("near-tie:", line)
+    stats = [spec.generate(p, max_new_tokens=NEW_TOKENS).stats for p in heldout_prompts[:8]]
+    healed = sum(s.healed_cycles for s in stats)
+    drafted = sum(s.target_forwards - s.alone_cycles for s in stats)
+    assert (healed > drafted / 2) if healing else healed == 0, (healed, drafted)
+
+
+@pytest.mark.slow
 def test_stream_yields_the_generated_text(bridged_spec):
     prompt = "自然言語処理とは何か"
     pieces = list(bridged_spec.stream(prompt, max_new_tokens=32))

@@ -136,7 +136,7 @@ def sampling_kwargs(mode: str) -> dict:
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
                   spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None, spec_tree_top=None,
-                  spec_always=None) -> dict:
+                  spec_always=None, spec_unhealed=None) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
     (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified.
     `spec_tree_top` (SpecConfig(tree_root="top")) adds a `-tree{m}-top` system beside each sampled tree: the
@@ -145,7 +145,9 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
     the bridged greedy chain, the auto sampler and each tree.
     `spec_always` ({"same": ..., "cross": ...}, SpecConfig(fallback=False)) adds an `-always` twin of each
     xtokspec chain and tree that never runs the target alone: the drafting systems as they were before the
-    fallback, paired against the default."""
+    fallback, paired against the default.
+    `spec_unhealed` (SpecConfig(draft_healing=False)) adds an `-unhealed` twin of the bridged greedy chain and the
+    one-hot sampler, the kinds that heal (with `spec_always`, its `-always` twin too: spec_always["unhealed"])."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
 
@@ -196,6 +198,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         systems["hf-universal"] = hf(hf_copy or models.draft_cross, universal=True)
         if kw["do_sample"]:
             systems[f"xtokspec-{models.cross_label}-onehot"] = ours(spec_cross, proposal="onehot")
+            if spec_unhealed:
+                systems[f"xtokspec-{models.cross_label}-onehot-unhealed"] = ours(spec_unhealed, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
             systems[f"xtokspec-{models.cross_label}-auto"] = ours(spec_cross, proposal="auto")
             if spec_trim:
@@ -203,6 +207,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
             add_trees()  # token trees
         else:
             systems[f"xtokspec-{models.cross_label}"] = ours(spec_cross)
+            if spec_unhealed:
+                systems[f"xtokspec-{models.cross_label}-unhealed"] = ours(spec_unhealed)
             systems[f"xtokspec-{models.cross_label}-fixed-k"] = ours(spec_cross_fixed)
             if spec_trim:
                 systems[f"xtokspec-{models.cross_label}-trim"] = ours(spec_trim)
@@ -214,9 +220,9 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
                 systems[f"xtokspec-bridged-{label}"] = ours(spec)
     if spec_always:  # the twins of the chains and trees above (not of -fixed-k, -static, -all, -top, -trim)
         for name, fn in list(systems.items()):
-            role = "same" if name.startswith("xtokspec-same") else "cross"
-            if (getattr(fn, "spec", None) in (spec_same, spec_cross) and not name.endswith(("-fixed-k", "-static"))
-                    and spec_always.get(role)):
+            role = "same" if name.startswith("xtokspec-same") else "unhealed" if name.endswith("-unhealed") else "cross"
+            if (getattr(fn, "spec", None) in (spec_same, spec_cross, spec_unhealed)
+                    and not name.endswith(("-fixed-k", "-static")) and spec_always.get(role)):
                 systems[name + "-always"] = ours(spec_always[role], **fn.extra)
     return systems
 
@@ -224,13 +230,14 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
 def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_tokens: int,
                   progress: bool = True, tree_widths: tuple[int, ...] = (), only: tuple[str, ...] = (),
                   tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
-                  compile: bool | str = "auto", tree_top: bool = False, always_draft: bool = False) -> list[Run]:
+                  compile: bool | str = "auto", tree_top: bool = False, always_draft: bool = False,
+                  unhealed: bool = False) -> list[Run]:
     """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
     `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system's SpecConfig.compile (the
     default, "auto": CUDA graphs on a GPU, eager on a CPU); where that captures steps (static caches, so no separate
     `-static` systems), each system records or compiles its shapes for the longest prompt before any is timed
-    (`XTokSpec.warmup`). `always_draft`: the `-always` twins (build_systems)."""
+    (`XTokSpec.warmup`). `always_draft`: the `-always` twins; `unhealed`: the `-unhealed` ones (build_systems)."""
     from tqdm.auto import tqdm
 
     from .spec import XTokSpec
@@ -253,9 +260,12 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                      if tree_unpruned and models.draft_cross else None)
     spec_tree_top = (XTokSpec(models.target, models.draft_cross, config=config(tree_root="top"))
                      if tree_top and models.draft_cross else None)
+    spec_unhealed = (XTokSpec(models.target, models.draft_cross, config=config(draft_healing=False))
+                     if unhealed and models.draft_cross else None)
     spec_always = {} if not always_draft else {
-        role: XTokSpec(models.target, pair, config=config(fallback=False))
-        for role, pair in (("same", models.draft_same), ("cross", models.draft_cross)) if pair}
+        role: XTokSpec(models.target, pair, config=config(fallback=False, draft_healing=role != "unhealed"))
+        for role, pair in (("same", models.draft_same), ("cross", models.draft_cross),
+                           ("unhealed", models.draft_cross if spec_unhealed else None)) if pair}
     spec_trim = None
     if draft_vocab and models.draft_cross:
         spec_trim = XTokSpec(models.target, models.draft_cross, config=config())
@@ -271,7 +281,7 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
     every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
-                              spec_tree_all, spec_trim, spec_tree_top, spec_always) for m in modes}
+                              spec_tree_all, spec_trim, spec_tree_top, spec_always, spec_unhealed) for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
@@ -361,7 +371,8 @@ def main_bench(args: argparse.Namespace) -> int:
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, progress=not args.no_progress,
                          tree_widths=tuple(args.tree_widths), only=tuple(args.systems),
                          tree_unpruned=args.tree_unpruned, draft_vocab=args.draft_vocab, calibration=calibration,
-                         compile=args.compile, tree_top=args.tree_top, always_draft=args.always_draft)
+                         compile=args.compile, tree_top=args.tree_top, always_draft=args.always_draft,
+                         unhealed=args.unhealed)
     meta = {"preset": args.preset, "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "compile": args.compile, "cpu_linears": args.cpu_linears,
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -398,6 +409,10 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--always-draft", action="store_true",
                        help="beside each xtokspec chain and tree, the same system with SpecConfig(fallback=False): it "
                             "drafts every cycle even where the target alone is measured faster (-always)")
+    bench.add_argument("--unhealed", action="store_true",
+                       help="beside the bridged greedy chain and one-hot sampler, the same system with "
+                            "SpecConfig(draft_healing=False): the draft's context ends where the target's last token "
+                            "does, even inside one of its own tokens (-unhealed)")
     bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                        help="add -trim systems: the bridged draft's output head trimmed to the N ids most frequent in "
                             "calibration text (--calibration, or by default the fixtures' held-out Japanese and "

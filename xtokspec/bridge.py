@@ -10,11 +10,20 @@ Invariants the decoding loop keeps with these helpers:
 - continuations are encoded as fragments: no BOS and no dummy-prefix "▁" (the published llm-jp/open-calm
   bridge dropped a token with `[1:]` instead), with the boundary fixed at the committed text, because
   committed tokens can not be re-segmented.
+
+Token healing (`TextSync.heal`, Lundberg's prompt-boundary fix applied at every cycle start): the committed
+text ends on a *target* token boundary, which often falls inside one of the draft's own tokens ("日本" committed
+where the draft writes "日本語" as one token). Encoded as it is, the draft's context ends in a piece it rarely saw
+in training, and its next token is then seldom right. Healing takes the draft's last token back off its context
+and has the draft restate it: its first drafted token is constrained to start with those bytes (`PrefixIndex`),
+so it may be the longer token. Proposals are the drafted bytes after the committed text, as for any pending
+bytes; what the target commits never depends on it (greedy: its argmax; sampled: one-hot proposals, which are
+lossless whatever chose them).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,19 +72,57 @@ def build_token_map(draft: TokenCodec, target: TokenCodec, eos_pairs: Sequence[t
     )
 
 
+class PrefixIndex:
+    """A vocabulary's ids by the bytes they stand for, for the ids a drafted token may be when its bytes must
+    restate `pending` ones: those that start with them, else those that are a prefix of them."""
+
+    def __init__(self, token_bytes: Sequence[bytes]):
+        pairs = sorted((tb, i) for i, tb in enumerate(token_bytes) if tb)
+        self.sorted_bytes = [tb for tb, _ in pairs]
+        self.sorted_ids = [i for _, i in pairs]
+        self.by_bytes: dict[bytes, list[int]] = {}
+        for tb, i in pairs:
+            self.by_bytes.setdefault(tb, []).append(i)
+
+    def starting_with(self, prefix: bytes) -> list[int]:
+        """Ids whose bytes start with `prefix` (all of them for b"")."""
+        lo = bisect_left(self.sorted_bytes, prefix)
+        hi = lo
+        while hi < len(self.sorted_bytes) and self.sorted_bytes[hi].startswith(prefix):
+            hi += 1
+        return self.sorted_ids[lo:hi]
+
+    def prefixes_of(self, data: bytes) -> list[int]:
+        """Ids whose bytes are a proper, non-empty prefix of `data`."""
+        return [i for n in range(1, len(data)) for i in self.by_bytes.get(data[:n], ())]
+
+    def extends(self, piece: bytes) -> bool:
+        """Whether some token is longer than `piece` and starts with it (healing it may then find a better one)."""
+        lo = bisect_right(self.sorted_bytes, piece)
+        return lo < len(self.sorted_bytes) and self.sorted_bytes[lo].startswith(piece)
+
+    def allowed(self, pending: bytes) -> tuple[list[int], bool]:
+        """The ids a drafted token may be while `pending` bytes remain to restate -> (ids, whether each of them
+        covers all of `pending`): those starting with it, or where none does, its proper prefixes."""
+        covering = self.starting_with(pending)
+        return (covering, True) if covering else (self.prefixes_of(pending), False)
+
+
 def propose_target_ids(target: TokenCodec, pending: bytes, drafted: bytes) -> list[int]:
-    """Target ids for drafted bytes that continue committed text ending in the incomplete character `pending`.
+    """Target ids for drafted bytes that continue committed text ending in `pending`: the bytes the draft has not
+    been shown (an incomplete character, after the complete ones a healed token stood for).
 
     The draft's context stops before `pending`, so its drafted bytes must restate them; the bytes that complete
-    that character become the target's single-byte pieces, the rest is encoded as a fragment up to its last
-    complete character (an incomplete tail waits for the next round).
+    an incomplete character at its end become the target's single-byte pieces, the rest is encoded as a fragment
+    up to its last complete character (an incomplete tail waits for the next round).
     """
     if not drafted.startswith(pending):
         return []
     rest = drafted[len(pending) :]
     ids: list[int] = []
-    if pending:
-        need = utf8_char_len(pending[0]) - len(pending)
+    tail = pending[utf8_valid_prefix_len(pending) :]  # the start of a character the committed text ends inside
+    if tail:
+        need = utf8_char_len(tail[0]) - len(tail)
         if len(rest) < need or any(b not in target.byte_ids for b in rest[:need]):
             return []
         ids = [target.byte_ids[b] for b in rest[:need]]
@@ -136,6 +183,21 @@ class TextSync:
     @property
     def pending(self) -> bytes:
         return self.committed[self.synced :]
+
+    def heal(self, index: PrefixIndex) -> int:
+        """Take the draft's last continuation id back off its view of the text when some longer draft token starts
+        with its bytes (and, for a byte-level draft, the ids before it down to a character boundary), so that the
+        next drafted token restates them -> how many ids (0: none). Its bytes join `pending`."""
+        if not self.draft_ends:
+            return 0
+        start = self.draft_ends[-2] if len(self.draft_ends) > 1 else self.base
+        if not index.extends(self.committed[start : self.draft_ends[-1]]):
+            return 0
+        n = 1
+        while n < len(self.draft_ends) and not is_char_boundary(self.committed, self.draft_ends[-n - 1]):
+            n += 1
+        del self.draft_ends[-n:]
+        return n
 
     def propose(self, drafted: list[int], eos_candidate: int | None = None) -> list[int]:
         """Target ids for the drafted draft ids; `eos_candidate` is appended when the draft ended its text."""

@@ -40,14 +40,20 @@ class ChainProposer:
     """K draft tokens in a row, greedy or sampled, moved onto the target's vocabulary by a mapper."""
 
     def __init__(self, draft_eos: set[int], warpers=None, generator: torch.Generator | None = None,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, token_bytes: list[bytes] | None = None):
         self.draft_eos, self.warpers, self.generator = draft_eos, warpers, generator
         self.min_confidence = min_confidence
+        self.table = token_bytes  # the draft's ids' bytes (None: one tokenizer, nothing is ever restated)
 
     def propose(self, draft: ModelState, k: int, mapper, room: int, laps: Laps) -> Proposal:
         """Draft up to k ids and map them; at most `room` proposals reach the verifier."""
-        if self.warpers is None and self.min_confidence <= 0 and k > 1:
-            drafted, rows, eos, first = *self._draft_greedy_on_device(draft, k), None
+        restate = mapper.restate
+        ids, covering = mapper.allowed(restate) if restate else (None, True)
+        if restate and k > 0:
+            k += 1  # NOTE: the first drafted token restates committed text: one step more, as many new ones
+        if self.warpers is None and self.min_confidence <= 0 and k > 1 and covering:
+            # NOTE: committed text to restate is covered by the first drafted token (its ids all start with it)
+            drafted, rows, eos, first = *self._draft_greedy_on_device(draft, k, ids), None
         else:
             drafted, rows, eos, first = self._draft(draft, max(k, 0), mapper)
         laps("draft")
@@ -66,8 +72,11 @@ class ChainProposer:
         restrict = mapper.restrict  # (Vd,) bool or None
         keep_rows = mapper.keeps_rows and self.warpers is not None
         first = None
+        remaining = mapper.restate  # committed bytes the drafted text must start with
         for _ in range(k):
             logits = draft.forward(keep=1)  # (1, Vd)
+            if remaining:
+                logits = only(logits, mapper.allowed(remaining)[0])
             if self.warpers is None:
                 token = int(torch.argmax(logits[0]))
                 confident = self.min_confidence <= 0 or float(torch.softmax(logits[0].float(), -1)[token]) >= self.min_confidence
@@ -87,17 +96,21 @@ class ChainProposer:
                     rows.append(probs)
             draft.extend([token])
             ids.append(token)
+            piece = self.table[token] if self.table is not None else b""
+            remaining = remaining[len(piece):] if remaining.startswith(piece) else b""
             if token in self.draft_eos:
                 return ids, rows, True, first
             if not confident:  # NOTE: a low-confidence guess is still proposed, but nothing is drafted after it
                 break
         return ids, rows, False, first
 
-    def _draft_greedy_on_device(self, draft: ModelState, k: int):
+    def _draft_greedy_on_device(self, draft: ModelState, k: int, first_ids: list[int] | None = None):
         """Greedy drafting with one host transfer: each argmax feeds the next step on the device, and the k ids
-        come to the host once, for the bridge. Steps past a drafted EOS are rolled back afterwards."""
+        come to the host once, for the bridge. Steps past a drafted EOS are rolled back afterwards. `first_ids`:
+        the ids the first drafted token may be (None: any)."""
         base = len(draft.ids)
-        token = torch.argmax(draft.forward(keep=1)[-1:], dim=-1)  # (1,)
+        logits = draft.forward(keep=1)[-1:]  # (1, Vd)
+        token = torch.argmax(logits if first_ids is None else only(logits, first_ids), dim=-1)  # (1,)
         tokens = [token]
         for _ in range(k - 1):
             token = torch.argmax(draft.feed(token.view(1, 1)), dim=-1)  # (1,)
@@ -109,6 +122,16 @@ class ChainProposer:
                 draft.truncate(base + n + 1)
                 return ids[: n + 1], [], True
         return ids, [], False
+
+
+def only(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """(B, Vd) logits with every id but `ids` at -inf (a drafted token that must restate committed text); all of
+    them where `ids` is empty (no draft token fits: the drafted text then proposes nothing)."""
+    if not ids:
+        return logits
+    keep = torch.full((logits.shape[-1],), float("-inf"), dtype=logits.dtype, device=logits.device)
+    keep[to_device(ids, logits.device)] = 0
+    return logits + keep
 
 
 def _last(scores: list[float]) -> float:
@@ -170,7 +193,10 @@ class TreeProposer:
         forward per depth: the depth's nodes, tree-masked, on the draft's own cache (`grow_tree`; dropped by the
         commit), or, for a draft with sliding-window layers or an attention that takes no 4D mask, batch rows
         over a copy of its cache."""
-        probs = self._probs(draft.forward(keep=1))  # (1, Vd)
+        logits = draft.forward(keep=1)  # (1, Vd)
+        if mapper.restate:  # NOTE: only the first depth is held to it; a branch that then strays proposes nothing
+            logits = only(logits, mapper.allowed(mapper.restate)[0])
+        probs = self._probs(logits)  # (1, Vd)
         steps = 1
         paths, texts, cums = [[]], [b""], [[]]  # per path: draft ids, their text, log-probability after each id
         firsts: list[int | None] = [None]  # per path: the target id its bridged text must start with

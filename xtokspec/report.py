@@ -191,11 +191,16 @@ def trim_pairs(names) -> list[tuple[str, str]]:
     return [(name, name.removesuffix("-trim")) for name in names if name.endswith("-trim") and "-tree" not in name]
 
 
+def heal_pairs(names) -> list[tuple[str, str]]:
+    """Each system that heals the draft's last token against its `-unhealed` twin (bench --unhealed)."""
+    return [(name.replace("-unhealed", ""), name) for name in names if "-unhealed" in name]
+
+
 def comparisons(runs: list[Run]) -> list[dict]:
     out = []
     names = sorted({r.system for r in runs})
     for mode in dict.fromkeys(r.mode for r in runs):
-        for a, b in PAIRS + tree_pairs(names) + trim_pairs(names):
+        for a, b in PAIRS + tree_pairs(names) + trim_pairs(names) + heal_pairs(names):
             result = paired(runs, mode, a, b)
             if result:
                 out.append(result)

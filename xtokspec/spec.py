@@ -356,13 +356,13 @@ class XTokSpec:
                                     target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen, roots,
                                     target_vocab)
         else:
-            proposer = ChainProposer(self.draft_eos, warpers, draft_gen, config.draft_confidence)
+            proposer = ChainProposer(self.draft_eos, warpers, draft_gen, config.draft_confidence, self.draft.token_bytes)
         draft_limit = min(context_limit(self.draft_model) or 1 << 30, draft.capacity, config.draft_context or 1 << 30)
         target_limit = min(context_limit(self.target_model) or 1 << 30, target.capacity)
         return loop.Run(target, draft, self._mapper(kind, config, draft.ids), proposer, sampler, draft_length, fallback,
                         (stats, draft_length, budget, fallback) if config.tree_width > 1 else (stats, draft_length, fallback),
                         stats, self.target_eos, target_limit, draft_limit,
-                        config.max_draft_tokens + 1)
+                        config.max_draft_tokens + 2)  # NOTE: + 1 where a cycle restates committed text
 
     def _mapper(self, kind: str, config: SpecConfig, draft_prompt: list[int]):
         """The mapper for a proposal kind (options.proposal_kind)."""
@@ -373,8 +373,12 @@ class XTokSpec:
         if kind == "same-tokenizer":
             return SameVocab(target_vocab, logits_device, head)
         sync = TextSync(self.target, self.draft, config.draft_lookbehind)
+        # NOTE: healing leaves the restated token's text pending, which only the bridge's one-hot proposals carry:
+        # "auto" scores its kinds at a first position that healing would move, and a sampled tree root draws only
+        # where nothing is pending, so neither heals; trees do not (their draft cache holds one level per step)
+        healing = config.draft_healing and kind in ("greedy-bridge", "onehot") and config.tree_width == 1
         bridge = TextBridge(sync, self.target_eos, len(draft_prompt), "greedy-bridge" if kind == "greedy-bridge" else "onehot",
-                            head)
+                            head, self.vocab_maps.draft_index, healing)
         if kind in ("greedy-bridge", "onehot"):
             return bridge
         draft_device = input_device(self.draft_model)

@@ -10,6 +10,7 @@ from reference.exact import (
     accepted_count_distribution,
     all_continuations,
     block_output_distribution,
+    onehot_guesses_output_distribution,
     sequence_distribution,
     speculative_generate,
 )
@@ -65,6 +66,45 @@ def test_block_output_distribution_matches_enumeration_and_the_theorem(seed, num
     reach = 1.0 - exact[:, vocab_size]
     np.testing.assert_allclose(exact[:, :vocab_size], reach[:, None] * target, atol=1e-12)
     np.testing.assert_allclose(exact[0, :vocab_size], target[0], atol=1e-12)
+
+
+def healed_guesses(draft, allowed):
+    """A draft's guesses drawn as token healing draws them: the first one restricted to `allowed` and
+    renormalized, the later ones from the draft's own rows (fixed tables: they do not depend on the first)."""
+    first = np.where(np.isin(np.arange(draft.shape[1]), allowed), draft[0], 0.0)
+    rows = [first / first.sum()] + list(draft[1:])
+    return {guess: float(np.prod([rows[i][x] for i, x in enumerate(guess)]))
+            for guess in itertools.product(range(draft.shape[1]), repeat=len(rows))}
+
+
+@pytest.mark.parametrize("seed, num_draft_tokens, vocab_size", [(6, 1, 4), (7, 3, 4), (8, 2, 5)])
+def test_onehot_guesses_from_any_law_keep_the_targets_law(seed, num_draft_tokens, vocab_size):
+    """A one-hot block is lossless whatever law its guesses come from: a healed draft (first draw restricted and
+    renormalized), or all mass on the target's least likely tokens. Control: a guess chosen after looking at the
+    target's first uniform (the token the target would accept) changes the law, and the same check fails."""
+    rng = np.random.default_rng(seed)
+    target, draft = random_tables(rng, num_draft_tokens, vocab_size)
+    for guesses in (healed_guesses(draft, [0, 2]), {tuple(int(x) for x in target[:-1].argmin(-1)): 1.0}):
+        law = onehot_guesses_output_distribution(target, guesses)
+        reach_times_p = (1.0 - law[:, vocab_size])[:, None] * target
+        np.testing.assert_allclose(law[:, :vocab_size], reach_times_p, atol=1e-12)
+        np.testing.assert_allclose(law[0, :vocab_size], target[0], atol=1e-12)
+    # control: a guess that peeks at the target's first uniform u. Where u < p_0(best) it guesses the target's
+    # likeliest token (accepted: u < p_0(best)); elsewhere its least likely one, never accepted there (u >=
+    # p_0(best) >= p_0(worst)), so the residual, p_0 without it, is drawn. The first token's law, from the rule:
+    p0 = target[0]
+    best, worst = int(p0.argmax()), int(p0.argmin())
+    residual = np.where(np.arange(vocab_size) == worst, 0.0, p0) / (1.0 - p0[worst])
+    peeked = p0[best] * np.eye(vocab_size)[best] + (1.0 - p0[best]) * residual
+    assert np.abs(peeked - p0).max() > 1e-3  # the check above, on this law, fails
+
+
+def test_onehot_guesses_validate():
+    target = np.full((2, 3), 1 / 3)
+    with pytest.raises(ValueError, match="sum to 1"):
+        onehot_guesses_output_distribution(target, {(0,): 0.5})
+    with pytest.raises(ValueError, match="K=1"):
+        onehot_guesses_output_distribution(target, {(0, 1): 1.0})
 
 
 def test_equal_tables_accept_everything():
