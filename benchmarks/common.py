@@ -28,3 +28,29 @@ def load_real(name: str, dtype):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     model.generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def pooled_gain(before: dict, after: dict) -> dict:
+    """Per-token acceptance pooled over prompts, before and after, from {prompt: (accepted, positions)} of the
+    same prompts -> both shares, the gain, and its 95% bootstrap interval over prompts (paired)."""
+    from xtokspec.distill_eval import paired_interval
+
+    keys = sorted(before.keys() & after.keys())
+    pairs_before, pairs_after = [before[k] for k in keys], [after[k] for k in keys]
+
+    def share(pairs):
+        return sum(h for h, _ in pairs) / max(1, sum(n for _, n in pairs))
+
+    return {"prompts": len(keys), "before": share(pairs_before), "after": share(pairs_after),
+            "gain": share(pairs_after) - share(pairs_before), "gain_ci95": paired_interval(pairs_before, pairs_after),
+            "positions": [sum(n for _, n in pairs_before), sum(n for _, n in pairs_after)]}
+
+
+def save_report(out: Path, stem: str, lines: list[str], table: str, payload: dict) -> None:
+    """OUT/STEM.md (the lines, then bench's tables) and OUT/STEM.json; the Markdown is printed too."""
+    import json
+
+    text = "\n".join(lines) + "\n\n" + table + "\n"
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False))
+    print(text)

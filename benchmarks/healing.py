@@ -18,14 +18,19 @@ import json
 from pathlib import Path
 
 import torch
-from common import cpu_name
+from common import cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
 from xtokspec.bench import REAL_PROMPTS, load_preset, run_benchmark
-from xtokspec.distill_eval import paired_interval
-from xtokspec.report import heal_pairs, write_report
+from xtokspec.report import Run, heal_pairs, write_report
 
 SYSTEMS = {"greedy": "xtokspec-bridged-gemma", "T=0.7": "xtokspec-bridged-gemma-onehot"}
+
+
+def counts(runs, mode: str, system: str) -> dict[int, tuple[int, int]]:
+    """prompt -> (accepted proposals, accepted + rejections): the per-token acceptance's hits and positions."""
+    return {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"]) for r in runs
+            if r.mode == mode and r.system == system}
 
 
 def acceptance_gains(runs) -> list[dict]:
@@ -34,19 +39,8 @@ def acceptance_gains(runs) -> list[dict]:
     for mode in dict.fromkeys(r.mode for r in runs):
         names = sorted({r.system for r in runs if r.mode == mode})
         for healed, unhealed in heal_pairs(names):
-            counts = {name: {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"])
-                             for r in runs if r.mode == mode and r.system == name} for name in (healed, unhealed)}
-            prompts = sorted(set(counts[healed]) & set(counts[unhealed]))
-            after = [counts[healed][p] for p in prompts]
-            before = [counts[unhealed][p] for p in prompts]
-
-            def share(pairs):
-                return sum(h for h, _ in pairs) / max(1, sum(n for _, n in pairs))
-
-            out.append({"mode": mode, "healed": healed, "unhealed": unhealed, "prompts": len(prompts),
-                        "alpha_unhealed": share(before), "alpha_healed": share(after),
-                        "gain": share(after) - share(before), "gain_ci95": paired_interval(before, after),
-                        "positions": [sum(n for _, n in before), sum(n for _, n in after)]})
+            gain = pooled_gain(counts(runs, mode, unhealed), counts(runs, mode, healed))
+            out.append({"mode": mode, "healed": healed, "unhealed": unhealed, **gain})
     return out
 
 
@@ -57,7 +51,13 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["greedy", "T=0.7"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--report-only", action="store_true", help="the tables again from OUT/results.json's runs")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.report_only:
+        saved = json.loads((out / "results.json").read_text())
+        report(out, saved["meta"], [Run(**r) for r in saved["runs"]])
+        return
     torch.set_num_threads(args.threads)
     models = load_preset("real", torch.bfloat16)
     prompts = REAL_PROMPTS + held_out_prompts(0, args.heldout)
@@ -65,23 +65,24 @@ def main() -> None:
                  for suffix in ("", "-unhealed", "-always", "-unhealed-always"))
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, tree_widths=(), only=only,
                          always_draft=True, unhealed=True)
-    out = Path(args.out)
     meta = {"preset": "real", "modes": args.modes, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": "bfloat16", "threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu",
             "cpu": cpu_name(), "command": "python benchmarks/healing.py " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items())}
+    report(out, meta, runs)
+
+
+def report(out: Path, meta: dict, runs: list[Run]) -> None:
+    """bench's results.json, table.md and plots, then healing.md / healing.json."""
     table = write_report(out, meta, runs)
     gains = acceptance_gains(runs)
     lines = [f"# Token healing on the real pair ({meta['cpu']}, {meta['threads']} thread(s), bf16)", "",
              "| mode | healed | unhealed | prompts | alpha unhealed | alpha healed | gain [95% CI] |", "|" + "---|" * 7]
     for g in gains:
         lo, hi = g["gain_ci95"]
-        lines.append(f"| {g['mode']} | {g['healed']} | {g['unhealed']} | {g['prompts']} | {g['alpha_unhealed']:.3f} "
-                     f"| {g['alpha_healed']:.3f} | {g['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
-    text = "\n".join(lines) + "\n\n" + table + "\n"
-    (out / "healing.md").write_text(text)
-    (out / "healing.json").write_text(json.dumps({"meta": meta, "gains": gains}, indent=1, ensure_ascii=False))
-    print(text)
+        lines.append(f"| {g['mode']} | {g['healed']} | {g['unhealed']} | {g['prompts']} | {g['before']:.3f} "
+                     f"| {g['after']:.3f} | {g['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    save_report(out, "healing", lines, table, {"meta": meta, "gains": gains})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 
 `xtokspec_unbatched`, `xtokspec_smollm2_unbatched`, `xtokspec_gemma_unbatched`: the proposer with one draft forward per request
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
+`xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
 Each is timed at batch 1 (the prompts one request at a time) and batch 8 (the prompts in requests of 8 submitted
 together) after one warm-up request, `--repeats` times (the median is reported). Drafted and accepted tokens are
@@ -58,10 +59,11 @@ def preset(name: str, k: int) -> dict:
     """The preset's target, dtype, prompt file and systems (name -> the LLM keywords beside the target's)."""
     draft = {"method": "draft_model", "num_speculative_tokens": k}
 
-    def bridged(model: str, batched: bool = True) -> dict:
+    def bridged(model: str, batched: bool = True, healing: bool = True) -> dict:
         return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
                                        "num_speculative_tokens": k},
-                "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched}}
+                "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched,
+                                      "xtokspec_draft_healing": healing}}
 
     if name == "fixtures":
         return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
@@ -71,6 +73,7 @@ def preset(name: str, k: int) -> dict:
                                            "use_heterogeneous_vocab": True}},
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
+            "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
         }}
     return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
         "alone": {},
@@ -80,6 +83,7 @@ def preset(name: str, k: int) -> dict:
         "xtokspec_gemma": bridged(real("gemma-3-270m")),
         "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
         "xtokspec_gemma_unbatched": bridged(real("gemma-3-270m"), batched=False),
+        "xtokspec_gemma_unhealed": bridged(real("gemma-3-270m"), healing=False),
     }}
 
 

@@ -178,6 +178,8 @@ def test_tree_cache_and_compile_options_reach_the_config(no_models):
     assert (config.tree_width, config.cache, config.compile) == (4, "static", True)
     assert main(["generate", "東京"]) == 0  # the defaults are SpecConfig's
     assert (no_models.configs[-1].tree_width, no_models.configs[-1].cache, no_models.configs[-1].compile) == (1, "auto", "auto")
+    assert no_models.configs[-1].draft_healing
+    assert main(["generate", "東京", "--no-healing"]) == 0 and not no_models.configs[-1].draft_healing
     for word, value in [("graphs", "graphs"), ("inductor", "inductor"), ("off", False), ("auto", "auto")]:
         assert main(["generate", "東京", "--compile", word]) == 0
         compile_ = no_models.configs[-1].compile

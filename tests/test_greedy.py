@@ -127,8 +127,9 @@ def test_the_draft_is_actually_used(bridged_spec, same_spec, heldout_prompts):
 @pytest.mark.parametrize("healing", [True, False])
 def test_greedy_equals_target_with_and_without_healing(healing, ja_target, ja_draft_bpe, heldout_prompts,
                                                         reference_cache):
-    """Token healing (the draft restates its last token each cycle) changes what is drafted, never what is
-    committed; it happens on most drafted cycles of the fixture pair, and never when it is off."""
+    """Token healing (the draft chooses its last token again, among those starting with its text) changes what
+    is drafted, never what is committed; it takes a longer token on 28% of the fixture pair's drafted cycles
+    here, and never when it is off."""
     from xtokspec import SpecConfig, XTokSpec
 
     spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(cache="dynamic", fallback=False, draft_healing=healing))
@@ -137,7 +138,7 @@ def test_greedy_equals_target_with_and_without_healing(healing, ja_target, ja_dr
     stats = [spec.generate(p, max_new_tokens=NEW_TOKENS).stats for p in heldout_prompts[:8]]
     healed = sum(s.healed_cycles for s in stats)
     drafted = sum(s.target_forwards - s.alone_cycles for s in stats)
-    assert (healed > drafted / 2) if healing else healed == 0, (healed, drafted)
+    assert (healed > drafted / 10) if healing else healed == 0, (healed, drafted)
 
 
 @pytest.mark.slow

@@ -201,7 +201,7 @@ N_E2E = 500  # CI's time budget; the power this buys is below CASES
 LENGTH = 3
 NUM_DRAFT_TOKENS = 3
 MIN_DEEP_SHARE = 0.10  # the chosen prompts measure 0.14-0.50 (v2.1 fixtures)
-MIN_HEALED_SHARE = 0.5  # runs with a healed cycle in the one-hot case (its prompt measures 0.9)
+MIN_HEALED_SHARE = 0.15  # runs with a healed cycle in the one-hot case (its prompt measures 0.22)
 SETTINGS = {"t1.0-k3": dict(temperature=1.0, top_k=3, top_p=1.0), "t0.7-k6-p0.9": dict(temperature=0.7, top_k=6, top_p=0.9)}
 # Held-out prompts (fixtures/data/prompts.txt) where the path reaches its second proposal often enough and
 # where both controls fail at N_E2E: chosen with tests/tools/deep_prompts.py (--power), re-chosen on the v2.1

@@ -225,12 +225,12 @@ def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_pr
         expected = [ChainProposer(eos)._draft_greedy_on_device(state, 4)[0] for state in alone]
         together = states()
         eos_id = next(iter(eos))
-        drafted, _ = draft_together(model, together, 4, eos)
+        drafted, _, _ = draft_together(model, together, 4, eos)
         assert drafted == expected
         # a drafted EOS ends its row's draft there, as in the greedy path (here row 1's second id is taken for one)
         stop = {expected[1][1], eos_id}
         stopped = states()
-        drafted, _ = draft_together(model, stopped, 4, stop)
+        drafted, _, _ = draft_together(model, stopped, 4, stop)
         for row, ids, state, prompt in zip(expected, drafted, stopped, prompts, strict=True):
             end = next((n + 1 for n, token in enumerate(row) if token in stop), len(row))
             assert ids == row[:end] and state.ids == prompt + ids and state.cached <= len(state.ids)
@@ -271,7 +271,7 @@ def test_batched_drafting_with_a_sliding_window_draft_matches_one_request_at_a_t
         alone = states()
         expected = [ChainProposer(set())._draft_greedy_on_device(state, 3)[0] for state in alone]
         together = states()
-        drafted, _ = draft_together(model, together, 3, set(), window=32)
+        drafted, _, _ = draft_together(model, together, 3, set(), window=32)
         assert drafted == expected
         for a, b in zip(alone, together, strict=True):
             assert a.ids == b.ids and a.cached == b.cached
@@ -384,6 +384,28 @@ def test_batched_and_one_at_a_time_drafting_propose_the_same(ja_target, heldout_
     assert outputs[0] == outputs[1]
     assert runs[0].proposals == runs[1].proposals
     assert batched.stats.batched_forwards > 0 and single.stats.batched_forwards == 0
+
+
+@pytest.mark.slow
+def test_healing_proposers_restate_and_the_output_stays_the_targets(ja_target, heldout_prompts):
+    """Token healing in the proposer (xtokspec_draft_healing, on by default), batched and one request at a time:
+    the draft replaces its last token in some proposals, the same ones both ways (the same proposals, step for
+    step), and the output is the target's greedy output; with healing off no proposal heals."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[8:12]]
+    configs = {"batched": {}, "single": {"xtokspec_batched_drafts": False}, "off": {"xtokspec_draft_healing": False}}
+    proposers = {name: TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra=extra))
+                 for name, extra in configs.items()}
+    engines = {name: Engine(model, proposer, prompts, 24) for name, proposer in proposers.items()}
+    outputs = {name: engine.run() for name, engine in engines.items()}
+    for n, prompt in enumerate(prompts):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+        assert outputs["batched"][n] == outputs["single"][n] == outputs["off"][n] == reference, n
+    assert engines["batched"].proposals == engines["single"].proposals
+    healed = {name: proposer.stats.healed for name, proposer in proposers.items()}
+    assert healed["off"] == 0 and healed["batched"] == healed["single"] > proposers["batched"].stats.rows / 10, healed
+    assert engines["batched"].proposals != engines["off"].proposals
+    assert proposers["batched"].stats.batched_forwards > 0
 
 
 def counting_static_caches(monkeypatch) -> list:

@@ -11,14 +11,15 @@ Invariants the decoding loop keeps with these helpers:
   bridge dropped a token with `[1:]` instead), with the boundary fixed at the committed text, because
   committed tokens can not be re-segmented.
 
-Token healing (`TextSync.heal`, Lundberg's prompt-boundary fix applied at every cycle start): the committed
-text ends on a *target* token boundary, which often falls inside one of the draft's own tokens ("日本" committed
-where the draft writes "日本語" as one token). Encoded as it is, the draft's context ends in a piece it rarely saw
-in training, and its next token is then seldom right. Healing takes the draft's last token back off its context
-and has the draft restate it: its first drafted token is constrained to start with those bytes (`PrefixIndex`),
-so it may be the longer token. Proposals are the drafted bytes after the committed text, as for any pending
-bytes; what the target commits never depends on it (greedy: its argmax; sampled: one-hot proposals, which are
-lossless whatever chose them).
+Token healing (`TextSync.healable` / `heal`, the prompt-boundary fix of guidance's token healing applied at
+every cycle start): the committed text ends on a *target* token boundary, which often falls inside one of the
+draft's own tokens ("日本" committed where the draft writes "日本語" as one token). Encoded as it is, the draft's
+context ends in a piece it rarely saw in training, and its next token is then seldom right. Healing lets the
+draft choose its last token again among those that start with its bytes (`PrefixIndex`); where it chooses a
+longer one, that token is taken back off the view (its bytes become pending) and the longer one is the first
+drafted id. Proposals are the drafted bytes after the committed text, as for any pending bytes; what the target
+commits never depends on it (greedy: its argmax; sampled: one-hot proposals, which are lossless whatever chose
+them).
 """
 
 from __future__ import annotations
@@ -83,14 +84,20 @@ class PrefixIndex:
         self.by_bytes: dict[bytes, list[int]] = {}
         for tb, i in pairs:
             self.by_bytes.setdefault(tb, []).append(i)
+        self._found: dict[bytes, list[int]] = {}  # starting_with's answers, by prefix
 
     def starting_with(self, prefix: bytes) -> list[int]:
-        """Ids whose bytes start with `prefix` (all of them for b"")."""
-        lo = bisect_left(self.sorted_bytes, prefix)
-        hi = lo
-        while hi < len(self.sorted_bytes) and self.sorted_bytes[hi].startswith(prefix):
-            hi += 1
-        return self.sorted_ids[lo:hi]
+        """Ids whose bytes start with `prefix` (all of them for b""), a range of the sorted bytes (do not change
+        the list: it is kept for the next call with the same prefix)."""
+        found = self._found.get(prefix)
+        if found is None:
+            lo = bisect_left(self.sorted_bytes, prefix)
+            stem = prefix.rstrip(b"\xff")  # the first bytes past every extension of `prefix`: stem's last + 1
+            hi = bisect_left(self.sorted_bytes, stem[:-1] + bytes([stem[-1] + 1])) if stem else len(self.sorted_bytes)
+            found = self.sorted_ids[lo:hi]
+            if len(self._found) < 65536:
+                self._found[prefix] = found
+        return found
 
     def prefixes_of(self, data: bytes) -> list[int]:
         """Ids whose bytes are a proper, non-empty prefix of `data`."""
@@ -184,20 +191,20 @@ class TextSync:
     def pending(self) -> bytes:
         return self.committed[self.synced :]
 
-    def heal(self, index: PrefixIndex) -> int:
-        """Take the draft's last continuation id back off its view of the text when some longer draft token starts
-        with its bytes (and, for a byte-level draft, the ids before it down to a character boundary), so that the
-        next drafted token restates them -> how many ids (0: none). Its bytes join `pending`."""
-        if not self.draft_ends:
-            return 0
+    def healable(self, piece: bytes, index: PrefixIndex) -> bool:
+        """Whether healing may take the draft's last continuation id, whose bytes are `piece`, back off its view
+        of the text: nothing is pending, the id stands for the last bytes of the view (`piece`), the view before
+        it ends on a character boundary, and some longer draft token starts with `piece`."""
+        if not self.draft_ends or self.pending:
+            return False
         start = self.draft_ends[-2] if len(self.draft_ends) > 1 else self.base
-        if not index.extends(self.committed[start : self.draft_ends[-1]]):
-            return 0
-        n = 1
-        while n < len(self.draft_ends) and not is_char_boundary(self.committed, self.draft_ends[-n - 1]):
-            n += 1
-        del self.draft_ends[-n:]
-        return n
+        return (self.committed[start : self.draft_ends[-1]] == piece and is_char_boundary(self.committed, start)
+                and index.extends(piece))
+
+    def heal(self) -> None:
+        """Take the draft's last continuation id back off its view of the text (after `healable`): its bytes
+        join `pending`, for the next drafted id to restate."""
+        self.draft_ends.pop()
 
     def propose(self, drafted: list[int], eos_candidate: int | None = None) -> list[int]:
         """Target ids for the drafted draft ids; `eos_candidate` is appended when the draft ended its text."""

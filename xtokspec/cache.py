@@ -112,6 +112,13 @@ class ModelState:
         self.kv.advance(len(new))
         return out.logits[0]  # (keep, V)
 
+    def forward_last(self, n: int) -> torch.Tensor:
+        """`forward` keeping the logits (n, V) of the last n ids, their cache positions fed again where they are
+        cached already (a rollback of at most n - 1 positions)."""
+        if len(self.ids) - self.cached < n:
+            self._rollback(len(self.ids) - n)
+        return self.forward(keep=n)
+
     def _bucket(self, length: int, start: int | None = None, end: int | None = None) -> int | None:
         """The padded length a compiled call uses for `length` new ids written from cache position `start`
         (default: the cached length) within the first `end` positions (default: `capacity`; tree forwards may

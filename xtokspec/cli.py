@@ -109,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = SpecConfig(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=max(12, args.num_draft_tokens),
         adaptive=not args.fixed_k, proposal=args.proposal, tree_width=args.tree_width, tree_root=args.tree_root,
-        cache=args.cache, compile=args.compile, fallback=not args.always_draft,
+        cache=args.cache, compile=args.compile, fallback=not args.always_draft, draft_healing=not args.no_healing,
     )
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--always-draft", action="store_true",
                      help="draft every cycle, even where the target alone is measured faster per token (by default "
                      "such cycles run the target alone, and drafting is probed now and then; see docs/how-it-works.md)")
+    gen.add_argument("--no-healing", action="store_true",
+                     help="no token healing: by default a cross-tokenizer draft chooses its last token of the text "
+                     "again at each cycle start, and a longer token that starts with it may replace it (greedy and "
+                     "--proposal onehot chains; see docs/how-it-works.md)")
     gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
                      help="token trees: drafted candidates kept at each depth, verified in one target call "
                      "(1: a single chain)")

@@ -71,7 +71,6 @@ def drafted_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
     catch_up_s = catch_up(run)
     if len(draft.ids) + run.draft_room > run.draft_limit:  # keep the draft's most recent half of its context
         run.mapper.current.slide(draft, len(draft.ids) - run.draft_limit // 2)
-    healed = run.mapper.current.heal(draft)  # the draft restates its last token when a longer one may fit better
     # NOTE: proposals are capped at remaining - 1, so the target never holds more than prompt + max_new_tokens ids
     k = min(run.draft_length.next_k(), remaining - 1, run.draft_limit - len(draft.ids) - 1)
     room = max(0, min(remaining - 1, run.target_limit - len(target.ids) - 1))
@@ -92,7 +91,7 @@ def drafted_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
         accepted=verdict.accepted, rejected=verdict.rejected, committed=len(new_ids),
         draft_s=laps.seconds["draft"], bridge_s=laps.seconds["bridge"] + catch_up_s, verify_s=laps.seconds["verify"],
         prefill=prefill, size=proposal.size, predicted=sum(trie.values[1:]) if trie else None,
-        pruned=proposal.pruned, sampled_root=proposal.root_q is not None, healed=healed,
+        pruned=proposal.pruned, sampled_root=proposal.root_q is not None, healed=proposal.healed,
     )
     return new_ids, record
 

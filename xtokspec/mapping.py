@@ -87,8 +87,8 @@ class SameVocab(Fixed):
 
     restate = b""  # nothing committed waits for the draft to restate it
 
-    def heal(self, draft: ModelState) -> bool:
-        return False
+    def heal_candidate(self, draft: ModelState) -> None:
+        return None
 
 
 class TextBridge(Fixed):
@@ -106,7 +106,7 @@ class TextBridge(Fixed):
         self.draft_prompt_len = draft_prompt_len  # the draft's ids before its continuation (its prompt's)
         self.head = head  # leading ids a window of the text keeps (BOS)
         self.index = index if index is not None else PrefixIndex(sync.draft.token_bytes)
-        self.healing = healing  # SpecConfig.draft_healing: restate the draft's last token at each cycle start
+        self.healing = healing  # SpecConfig.draft_healing: the draft chooses its last token again each cycle
 
     @property
     def pending(self) -> bool:
@@ -123,18 +123,23 @@ class TextBridge(Fixed):
         whether each covers them all) (bridge.PrefixIndex.allowed)."""
         return self.index.allowed(remaining)
 
-    def heal(self, draft: ModelState) -> bool:
-        """At a cycle start: take the draft's last token back off its context when a longer draft token starts
-        with its text (bridge.TextSync.heal), so that the first drafted token may be that longer one -> whether
-        it did."""
-        if not self.healing:
-            return False
-        healed = self.sync.heal(self.index)
-        if healed:
-            if len(draft.ids) != self.draft_prompt_len + len(self.sync.draft_ends) + healed:
-                raise RuntimeError("the draft's ids are out of step with the committed text (a bridge bug)")
-            draft.truncate(len(draft.ids) - healed)
-        return healed > 0
+    def heal_candidate(self, draft: ModelState) -> tuple[int, list[int]] | None:
+        """At a cycle start, with healing on: (the draft's last id, the draft ids whose bytes start with its
+        bytes) when healing may take it back (bridge.TextSync.healable), else None. The proposer chooses among
+        those ids where the draft read its context without the last id; `heal` when it chose another."""
+        if (not self.healing or len(draft.ids) < 2
+                or len(draft.ids) != self.draft_prompt_len + len(self.sync.draft_ends)):
+            return None
+        last = draft.ids[-1]
+        piece = self.sync.draft.token_bytes[last]
+        if not self.sync.healable(piece, self.index):
+            return None
+        return last, self.index.starting_with(piece)
+
+    def heal(self, draft: ModelState) -> None:
+        """Take the draft's last id back off its context and the text's view (its bytes are then pending)."""
+        self.sync.heal()
+        draft.truncate(len(draft.ids) - 1)
 
     def to_target(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
         return self.sync.propose(drafted[:-1] if eos else drafted, self.eos_candidate if eos else None), None
@@ -205,8 +210,8 @@ class IntersectionMap(Fixed):
     def allowed(self, remaining: bytes) -> tuple[list[int], bool]:
         return self.bridge.allowed(remaining)
 
-    def heal(self, draft: ModelState) -> bool:
-        return False  # NOTE: a healed token's text would be pending, and pending text goes through the bridge
+    def heal_candidate(self, draft: ModelState) -> None:
+        return None  # NOTE: a healed token's text would be pending, and pending text goes through the bridge
 
     def to_target(self, drafted: list[int], rows: list[torch.Tensor], eos: bool):
         if self.pending or not rows:

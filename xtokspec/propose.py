@@ -34,6 +34,7 @@ class Proposal:
     root_q: torch.Tensor | None = None  # (Vt,) a sampled root's distribution (its candidates' proposal)
     pruned: int = 0  # a tree's drafted nodes left out of verification
     size: int | None = None  # a captured tree verification: the nodes its bucket carries
+    healed: bool = False  # the first drafted id took the place of the draft's last one (token healing)
 
 
 class ChainProposer:
@@ -47,26 +48,50 @@ class ChainProposer:
 
     def propose(self, draft: ModelState, k: int, mapper, room: int, laps: Laps) -> Proposal:
         """Draft up to k ids and map them; at most `room` proposals reach the verifier."""
-        restate = mapper.restate
+        prefix, logits = self._heal(draft, mapper) if k > 0 else ([], None)
+        restate = mapper.restate if not prefix else b""  # NOTE: a healed first id restates the pending text
         ids, covering = mapper.allowed(restate) if restate else (None, True)
-        if restate and k > 0:
-            k += 1  # NOTE: the first drafted token restates committed text: one step more, as many new ones
-        if self.warpers is None and self.min_confidence <= 0 and k > 1 and covering:
+        if self.warpers is None and self.min_confidence <= 0 and k - len(prefix) > 1 and covering:
             # NOTE: committed text to restate is covered by the first drafted token (its ids all start with it)
-            drafted, rows, eos, first = *self._draft_greedy_on_device(draft, k, ids), None
+            drafted, rows, eos, first = *self._draft_greedy_on_device(draft, k - len(prefix), ids, logits), None
         else:
-            drafted, rows, eos, first = self._draft(draft, max(k, 0), mapper)
+            drafted, rows, eos, first = self._draft(draft, max(k - len(prefix), 0), mapper, logits)
+        drafted = prefix + drafted
         laps("draft")
         proposals, proposal_probs = mapper.to_target(drafted, rows, eos)
         proposals = proposals[: max(0, room)]
         if proposal_probs is not None:
             proposal_probs = proposal_probs[: len(proposals)]
         laps("bridge")
-        return Proposal(mapper.kind, len(drafted), drafted, proposals, proposal_probs, first)
+        return Proposal(mapper.kind, len(drafted), drafted, proposals, proposal_probs, first, healed=bool(prefix))
 
-    def _draft(self, draft: ModelState, k: int, mapper):
+    def _heal(self, draft: ModelState, mapper) -> tuple[list[int], torch.Tensor | None]:
+        """Token healing at a cycle start (mapping.TextBridge.heal_candidate): the draft chooses its last id again,
+        among the ids that start with its bytes, from the logits before it; both rows come from the forward that
+        drafting makes anyway (two ids fed instead of one). -> ([the new first drafted id], None) where it chose
+        another (the last id is then taken back, `mapper.heal`), ([], the logits after the last id (1, Vd)) where it
+        chose the same, ([], None) where nothing may be healed."""
+        candidate = mapper.heal_candidate(draft)
+        if candidate is None:
+            return [], None
+        last, allowed = candidate
+        logits = draft.forward_last(2)  # (2, Vd): after the id before the last, after the last
+        before = only(logits[:1], allowed)  # (1, Vd)
+        if self.warpers is None:
+            choice = int(torch.argmax(before[0]))
+        else:
+            probs = sampling.logits_to_probs(before, self.warpers)[0]  # (Vd,)
+            choice = int(sampling.race(probs, sampling.exponential_noise(probs.shape, self.generator, probs.device)))
+        if choice == last:
+            return [], logits[1:]
+        mapper.heal(draft)
+        draft.extend([choice])
+        return [choice], None
+
+    def _draft(self, draft: ModelState, k: int, mapper, first_logits: torch.Tensor | None = None):
         """k draft tokens one forward at a time -> (ids, their distributions when the mapper keeps them, stopped
-        at EOS, the first position's distribution when sampling)."""
+        at EOS, the first position's distribution when sampling). `first_logits` (1, Vd): the first step's,
+        already computed (`_heal`)."""
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         restrict = mapper.restrict  # (Vd,) bool or None
@@ -74,7 +99,7 @@ class ChainProposer:
         first = None
         remaining = mapper.restate  # committed bytes the drafted text must start with
         for _ in range(k):
-            logits = draft.forward(keep=1)  # (1, Vd)
+            logits = first_logits if first_logits is not None and not ids else draft.forward(keep=1)  # (1, Vd)
             if remaining:
                 logits = only(logits, mapper.allowed(remaining)[0])
             if self.warpers is None:
@@ -96,20 +121,23 @@ class ChainProposer:
                     rows.append(probs)
             draft.extend([token])
             ids.append(token)
-            piece = self.table[token] if self.table is not None else b""
-            remaining = remaining[len(piece):] if remaining.startswith(piece) else b""
+            if remaining:  # NOTE: a token that is a proper prefix of the text to restate leaves the rest to restate
+                piece = self.table[token]
+                remaining = remaining[len(piece):] if remaining.startswith(piece) and piece else b""
             if token in self.draft_eos:
                 return ids, rows, True, first
             if not confident:  # NOTE: a low-confidence guess is still proposed, but nothing is drafted after it
                 break
         return ids, rows, False, first
 
-    def _draft_greedy_on_device(self, draft: ModelState, k: int, first_ids: list[int] | None = None):
+    def _draft_greedy_on_device(self, draft: ModelState, k: int, first_ids: list[int] | None = None,
+                                first_logits: torch.Tensor | None = None):
         """Greedy drafting with one host transfer: each argmax feeds the next step on the device, and the k ids
         come to the host once, for the bridge. Steps past a drafted EOS are rolled back afterwards. `first_ids`:
-        the ids the first drafted token may be (None: any)."""
+        the ids the first drafted token may be (None: any); `first_logits` (1, Vd): the first step's, already
+        computed (`_heal`)."""
         base = len(draft.ids)
-        logits = draft.forward(keep=1)[-1:]  # (1, Vd)
+        logits = first_logits if first_logits is not None else draft.forward(keep=1)[-1:]  # (1, Vd)
         token = torch.argmax(logits if first_ids is None else only(logits, first_ids), dim=-1)  # (1,)
         tokens = [token]
         for _ in range(k - 1):

@@ -86,9 +86,9 @@ class SpecConfig:
     adaptive: bool = True  # choose K each cycle from measured costs and acceptance
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
     draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
-    # two tokenizers, chains, greedy or proposal="onehot": at each cycle start the draft restates its last token
-    # of the committed text, its first drafted token one that starts with that text, in one more draft step
-    # (token healing: the committed text ends on a target-token boundary, often inside one of the draft's tokens)
+    # two tokenizers, chains, greedy or proposal="onehot": at each cycle start the draft chooses its last token of
+    # the committed text again, among those starting with its text, and a longer one replaces it (token healing:
+    # the committed text ends on a target-token boundary, often inside one of the draft's own tokens)
     draft_healing: bool = True
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto" (chosen each cycle)
     min_mapped_mass: float = 0.5  # "auto" starts with intersection when >= this share of the draft vocabulary maps
@@ -195,7 +195,7 @@ class CycleRecord:
     predicted: float | None = None  # a tree: its verified nodes' values summed (their expected accepted count)
     pruned: int = 0  # a tree: drafted nodes left out of verification
     sampled_root: bool = False  # a tree whose root candidates were drawn from the draft
-    healed: bool = False  # the draft restated its last token of the committed text (SpecConfig.draft_healing)
+    healed: bool = False  # the first drafted id replaced the draft's last one (SpecConfig.draft_healing)
 
     @property
     def alone(self) -> bool:
@@ -227,7 +227,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)  # of those, accepted each cycle
     pruned_nodes: int = 0  # token trees: drafted nodes left out of verification as not worth their cost
     sampled_roots: int = 0  # token trees: cycles whose root candidates were drawn from the draft (tree_root)
-    healed_cycles: int = 0  # cycles whose draft restated its last token of the text (SpecConfig.draft_healing)
+    healed_cycles: int = 0  # cycles whose first drafted id replaced the draft's last one (SpecConfig.draft_healing)
     alone_cycles: int = 0  # cycles that ran the target alone: drafting did not pay, as measured (SpecConfig.fallback)
     proposal_cycles: dict[str, int] = field(default_factory=dict)  # cycles per proposal kind (proposal="auto" mixes)
     # proposal="auto": each kind's expected accepted tokens per cycle, as the chooser last estimated them

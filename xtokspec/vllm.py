@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from .batch_draft import draft_together, prefill_tail
-from .bridge import TextSync
+from .bridge import PrefixIndex, TextSync
 from .cache import ModelState
 from .chat import DraftView
 from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
@@ -76,6 +76,7 @@ GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorde
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
+HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
 
 
 # ---------------------------------------------------------------------------------------------- one request
@@ -105,7 +106,8 @@ class RequestDraft:
             self.mapper = SameVocab(owner.target_vocab, owner.draft_device, head)
         else:
             sync = TextSync(owner.target, owner.draft, LOOKBEHIND)
-            self.mapper = TextBridge(sync, owner.target_eos, len(prompt), "greedy-bridge", head)
+            self.mapper = TextBridge(sync, owner.target_eos, len(prompt), "greedy-bridge", head, owner.draft_index,
+                                     owner.healing)
             if tail:  # the prompt ends inside a character: its first bytes wait in the text state
                 self.mapper.commit(self.state, [], tail)
 
@@ -124,6 +126,23 @@ class RequestDraft:
             self.mapper.slide(state, len(state.ids) - self.limit // 2)
         return max(0, min(k, self.limit - len(state.ids) - 1))
 
+    @property
+    def first_ids(self) -> list[int] | None:
+        """The ids the first drafted token may be (those restating pending text), or None for any."""
+        restate = self.mapper.restate
+        return self.mapper.allowed(restate)[0] if restate else None
+
+    def heal_candidate(self) -> tuple[int, list[int]] | None:
+        """Token healing's candidate for a batched draft (`TextBridge.heal_candidate`), with the two uncached
+        ids `draft_together` then needs (the last one's cache position fed again where it is cached)."""
+        state = self.state
+        candidate = self.mapper.heal_candidate(state)
+        if candidate is None or len(state.ids) < 3:
+            return None
+        if len(state.ids) - state.cached < 2:
+            state._rollback(len(state.ids) - 2)
+        return candidate
+
     def propose(self, k: int, room: int, laps: Laps) -> list[int]:
         """Draft k ids greedily, this request alone -> at most `room` target ids."""
         k = self.prepare(k, room)
@@ -131,10 +150,14 @@ class RequestDraft:
             return []
         proposal = self.owner.chain.propose(self.state, k, self.mapper, room, laps)
         self.drafted, self.draft_steps = proposal.draft_ids, proposal.draft_steps
+        self.owner.stats.healed += proposal.healed
         return proposal.target_ids
 
-    def finish(self, drafted: list[int], room: int) -> list[int]:
-        """Map ids drafted by `draft_together` (in the draft's ids and cache already) -> at most `room` target ids."""
+    def finish(self, drafted: list[int], room: int, healed: bool = False) -> list[int]:
+        """Map ids drafted by `draft_together` (in the draft's ids and cache already; `healed`: its first id took
+        the place of the last one, which it took out of both) -> at most `room` target ids."""
+        if healed:
+            self.mapper.sync.heal()
         eos = bool(drafted) and drafted[-1] in self.owner.chain.draft_eos
         self.drafted, self.draft_steps = drafted, len(drafted)
         return self.mapper.to_target(drafted, [], eos)[0][: max(0, room)]
@@ -166,6 +189,7 @@ class ProposerStats:
     batched_forwards: int = 0  # forwards over several requests at once (draft_together)
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
+    healed: int = 0  # proposals whose draft restated its last token of the text (token healing)
     draft_s: float = 0.0  # seconds in the draft's forwards
     bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
     other_s: float = 0.0  # seconds matching rows, committing and creating states (prefills included)
@@ -223,7 +247,10 @@ class TextBridgeProposer:
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
-        self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer))
+        self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer), token_bytes=self.draft.token_bytes)
+        # token healing, as XTokSpec's greedy chains: each cycle the draft restates its last token of the text
+        self.healing = bool(extra.get(HEALING_KEY, True)) and not self.same_vocab
+        self.draft_index = PrefixIndex(self.draft.token_bytes) if self.healing else None
         max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
@@ -292,7 +319,8 @@ class TextBridgeProposer:
             rows.append(token_ids_cpu[r, :n] if sampled and n < self.max_model_len else None)
         assigned = self.table.assign(rows)
         out: list[list[int]] = [[] for _ in rows]
-        together: list[tuple[int, RequestDraft, int]] = []  # (row, its draft, room): drafted in one batch
+        # (row, its draft, room, token healing's candidate): drafted in one batch
+        together: list[tuple[int, RequestDraft, int, tuple | None]] = []
         alone: list[tuple[int, RequestDraft, int]] = []  # drafted one request at a time
         for r, hit in enumerate(assigned):
             if hit is None:
@@ -317,11 +345,11 @@ class TextBridgeProposer:
                     t0 += seconds  # not counted in other_s
                 fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
                 if state.cached >= 1 and fits:
-                    together.append((r, request, room))
+                    together.append((r, request, room, request.heal_candidate()))
                     continue
             alone.append((r, request, room))
         if len(together) == 1:  # nothing to batch with
-            alone += together
+            alone += [item[:3] for item in together]
             together = []
         for r, request, room in alone:
             laps = Laps()
@@ -335,14 +363,16 @@ class TextBridgeProposer:
         if together:
             t1 = time.perf_counter()
             stats.other_s += t1 - t0
-            drafted, copy_s = draft_together(self.draft_model, [request.state for _, request, _ in together],
-                                             self.k, self.chain.draft_eos, self.window)
+            drafted, copy_s, healed = draft_together(
+                self.draft_model, [request.state for _, request, _, _ in together], self.k, self.chain.draft_eos,
+                self.window, [request.first_ids for _, request, _, _ in together], [h for *_, h in together])
             t0 = time.perf_counter()
             stats.draft_s += t0 - t1 - copy_s
             stats.copy_s += copy_s
             stats.batched_forwards += self.k
-            for (r, request, room), ids in zip(together, drafted, strict=True):
-                out[r] = request.finish(ids, room)
+            stats.healed += sum(healed)
+            for (r, request, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
+                out[r] = request.finish(ids, room, was_healed)
                 stats.draft_forwards += len(ids)
                 stats.proposed += len(out[r])
             t1 = time.perf_counter()

@@ -1,0 +1,110 @@
+"""Several bridged drafts for one target, each with and without token healing, paired per prompt in one run.
+
+For a distilled draft (`xtokspec distill`) against the draft it came from, through the decoder, with healing
+(SpecConfig.draft_healing) on and off: per prompt, the target alone (transformers' `generate`) and every
+(draft, healing) system run in a shuffled order, greedy, the fallback off (every cycle drafts: the acceptance of
+each draft, and what drafting every cycle costs). Writes bench's results.json / table.md (speed ratios paired per
+prompt, `-unhealed` twins against their healed systems) and compare.md: each system's pooled per-token
+acceptance and its gain over the first draft unhealed, with a 95% bootstrap interval over prompts.
+
+    python benchmarks/draft_compare.py --target ~/.cache/xtokspec/real/qwen2.5-coder-1.5b \\
+        --draft base=~/.cache/xtokspec/real/gemma-3-270m --draft distilled=RUN --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from common import cpu_name, pooled_gain, save_report
+from distill_agreement import held_out_prompts
+
+from xtokspec import SpecConfig, XTokSpec
+from xtokspec.bench import REAL_PROMPTS
+from xtokspec.models import load
+from xtokspec.report import Run, write_report
+
+
+def counts(runs: list[Run], system: str) -> dict[int, tuple[int, int]]:
+    """prompt -> (accepted proposals, accepted + rejections): the per-token acceptance's numerator and positions."""
+    return {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"]) for r in runs
+            if r.system == system}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--draft", action="append", required=True, metavar="NAME=PATH",
+                        help="a draft (repeat; the first is the baseline the gains are measured from)")
+    parser.add_argument("--heldout", type=int, default=10, help="seeded held-out prompts after the real preset's six")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load(str(Path(args.target).expanduser()), "target", dtype=torch.bfloat16)
+    target[0].generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
+    drafts = {}
+    for item in args.draft:
+        name, _, path = item.partition("=")
+        drafts[name] = load(str(Path(path).expanduser()), f"draft {name}", dtype=torch.bfloat16)
+    prompts = REAL_PROMPTS + held_out_prompts(0, args.heldout)
+    model, tokenizer = target
+
+    def alone(prompt: str):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist(), None
+
+    def ours(spec):
+        def run(prompt: str):
+            result = spec.generate(prompt, max_new_tokens=args.max_new_tokens)
+            return result.token_ids, result.stats
+        return run
+
+    systems = {"target": alone}
+    for name, pair in drafts.items():
+        for healing in (True, False):
+            spec = XTokSpec(target, pair, config=SpecConfig(fallback=False, draft_healing=healing))
+            systems[f"xtokspec-{name}" + ("" if healing else "-unhealed")] = ours(spec)
+    for fn in systems.values():  # warm-up: first calls pay for allocation and lazy init
+        fn(prompts[0])
+    runs, outputs = [], {}
+    for p_index, prompt in enumerate(prompts):
+        order = list(systems.items())
+        random.Random(p_index).shuffle(order)
+        for name, fn in order:
+            start = time.perf_counter()
+            ids, stats = fn(prompt)
+            seconds = time.perf_counter() - start
+            runs.append(Run(name, "greedy", p_index, seconds, len(ids), stats.target_forwards if stats else len(ids),
+                            stats.draft_forwards if stats else 0, stats.as_dict() if stats else {}))
+            outputs[name, p_index] = ids
+        print(f"prompt {p_index + 1}/{len(prompts)} done", flush=True)
+    out = Path(args.out)
+    meta = {"preset": "real", "modes": ["greedy"], "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "dtype": "bfloat16", "threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu",
+            "cpu": cpu_name(), "target": args.target, "drafts": args.draft, "fallback": False}
+    table = write_report(out, meta, runs)
+    base = f"xtokspec-{next(iter(drafts))}-unhealed"
+    lines = [f"# Drafts with and without token healing ({meta['cpu']}, {meta['threads']} thread(s), bf16, "
+             f"{len(prompts)} prompts x {args.max_new_tokens} tokens, fallback off)", "",
+             f"| system | per-token acceptance | gain over {base} [95% CI] | outputs equal to the target's |",
+             "|---|---|---|---|"]
+    rows = []
+    for name in systems:
+        if name == "target":
+            continue
+        gain = pooled_gain(counts(runs, base), counts(runs, name))
+        lo, hi = gain["gain_ci95"]
+        equal = sum(outputs[name, k] == outputs["target", k] for k in range(len(prompts)))
+        rows.append({"system": name, **gain, "equal": equal})
+        lines.append(f"| {name} | {gain['after']:.3f} | {gain['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {equal}/{len(prompts)} |")
+    save_report(out, "compare", lines, table, {"meta": meta, "rows": rows})
+
+if __name__ == "__main__":
+    main()
