@@ -52,8 +52,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--report-only", action="store_true", help="the tables again from OUT/results.json's runs")
+    parser.add_argument("--margins", action="store_true",
+                        help="only: greedy outputs of the healed draft (every cycle drafting) against the target's "
+                             "`generate`, the target's logit margin at each first difference (OUT/margins.json)")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.margins:
+        torch.set_num_threads(args.threads)
+        return margins(out, REAL_PROMPTS + held_out_prompts(0, args.heldout), args.max_new_tokens)
     if args.report_only:
         saved = json.loads((out / "results.json").read_text())
         report(out, saved["meta"], [Run(**r) for r in saved["runs"]])
@@ -70,6 +76,39 @@ def main() -> None:
             "cpu": cpu_name(), "command": "python benchmarks/healing.py " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items())}
     report(out, meta, runs)
+
+
+def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
+    """Where the healed draft's greedy output differs from the target's own `generate`: the first differing
+    position and the target's logit margin there between the two tokens (one plain forward over the prompt and
+    the common prefix), against 2 bf16 steps of the logit (tests/test_greedy.py's near-tie bound)."""
+    from xtokspec import SpecConfig, XTokSpec
+    from xtokspec.bench import real_model_dir
+    from xtokspec.models import load
+
+    target = load(str(real_model_dir("qwen2.5-coder-1.5b")), "target", dtype=torch.bfloat16)
+    draft = load(str(real_model_dir("gemma-3-270m")), "draft", dtype=torch.bfloat16)
+    model, tokenizer = target
+    model.generation_config.repetition_penalty = 1.0
+    spec = XTokSpec(target, draft, config=SpecConfig(fallback=False))
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+        got = spec.generate(prompt, max_new_tokens=new_tokens).token_ids
+        j = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+        row = {"prompt": prompt, "equal": got == want, "first_difference": j}
+        if j is not None:
+            with torch.inference_mode():
+                logits = model(torch.tensor([ids + want[:j]])).logits[0, -1].float()
+            row["margin"] = float(logits[want[j]] - logits[got[j]])
+            row["bound"] = 2 * torch.finfo(torch.bfloat16).eps * max(abs(float(logits[want[j]])), 1.0)
+        rows.append(row)
+        print(row, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "margins.json").write_text(json.dumps({"cpu": cpu_name(), "new_tokens": new_tokens, "rows": rows},
+                                                 indent=1, ensure_ascii=False))
 
 
 def report(out: Path, meta: dict, runs: list[Run]) -> None:
