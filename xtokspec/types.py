@@ -286,6 +286,7 @@ class GenerationStats:
             f"{self.tokens_per_cycle:.2f} tokens/call); accepted {self.accepted}/{self.drafted} "
             f"({self.acceptance_rate:.0%}; per-token alpha {self.token_acceptance:.2f}); draft {self.draft_seconds:.2f}s, bridge {self.bridge_seconds:.3f}s, "
             f"verify {self.verify_seconds:.2f}s"
+            + (f"; {self.healed_cycles} cycles healed the draft's last token" if self.healed_cycles else "")
             + (f"; {self.alone_cycles} cycles ran the target alone (fallback)" if self.alone_cycles else "")
             + (f"; {self.capture_seconds:.1f}s recording new shapes" if self.capture_seconds else "")
         )
