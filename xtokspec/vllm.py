@@ -250,7 +250,8 @@ class TextBridgeProposer:
         self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer), token_bytes=self.draft.token_bytes)
         # token healing, as XTokSpec's greedy chains: each cycle the draft restates its last token of the text
         self.healing = bool(extra.get(HEALING_KEY, True)) and not self.same_vocab
-        self.draft_index = PrefixIndex(self.draft.token_bytes) if self.healing else None
+        # NOTE: one for every request, healing or not (the ids that may restate an incomplete character too)
+        self.draft_index = PrefixIndex(self.draft.token_bytes)
         max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
