@@ -449,14 +449,19 @@ def test_healing_chooses_the_last_id_again_from_the_logits_before_it(greedy_path
 
     table = [b"", b"x", b"a", b"b", b"ab", b"abz", b"q"]
     after = [0.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # x first
-    k = 3 if greedy_path == "device" else 1
-    for before, healed, first in (([0, 0, 0, 0, 1.0, 2.0, 9.0], True, b"abz"), ([0, 0, 0, 0, 2.0, 1.0, 9.0], False, b"x")):
-        draft = TwoRowDraft(after, before, [2, 4])  # "a", "ab"
-        mapper = Healing(table, 4)
-        proposal = ChainProposer(set(), token_bytes=table).propose(draft, k, mapper, k, Laps())
-        assert mapper.healed == healed == proposal.healed
-        assert table[proposal.draft_ids[0]] == first and len(proposal.draft_ids) == k
-        assert draft.ids == [2] + ([] if healed else [4]) + proposal.draft_ids  # "ab" taken back where healed
+    # NOTE: a draft confidence as good as none takes the host loop, one forward at a time
+    confidence = 1e-9 if greedy_path == "host" else 0.0
+    for k in (1, 3):
+        for before, healed, first in (([0, 0, 0, 0, 1.0, 2.0, 9.0], True, b"abz"),
+                                      ([0, 0, 0, 0, 2.0, 1.0, 9.0], False, b"x")):
+            draft = TwoRowDraft(after, before, [2, 4])  # "a", "ab"
+            mapper = Healing(table, 4)
+            proposal = ChainProposer(set(), min_confidence=confidence, token_bytes=table).propose(
+                draft, k, mapper, k, Laps())
+            assert mapper.healed == healed == proposal.healed
+            # after the first id, drafting is free again: the pending "ab" is restated by it
+            assert [table[i] for i in proposal.draft_ids] == [first] + [b"x"] * (k - 1)
+            assert draft.ids == [2] + ([] if healed else [4]) + proposal.draft_ids  # "ab" taken back where healed
 
 
 @pytest.mark.parametrize("greedy_path", ["host", "device"])

@@ -55,7 +55,7 @@ class ChainProposer:
             # NOTE: committed text to restate is covered by the first drafted token (its ids all start with it)
             drafted, rows, eos, first = *self._draft_greedy_on_device(draft, k - len(prefix), ids, logits), None
         else:
-            drafted, rows, eos, first = self._draft(draft, max(k - len(prefix), 0), mapper, logits)
+            drafted, rows, eos, first = self._draft(draft, max(k - len(prefix), 0), mapper, logits, restate)
         drafted = prefix + drafted
         laps("draft")
         proposals, proposal_probs = mapper.to_target(drafted, rows, eos)
@@ -88,16 +88,18 @@ class ChainProposer:
         draft.extend([choice])
         return [choice], None
 
-    def _draft(self, draft: ModelState, k: int, mapper, first_logits: torch.Tensor | None = None):
+    def _draft(self, draft: ModelState, k: int, mapper, first_logits: torch.Tensor | None = None,
+               restate: bytes | None = None):
         """k draft tokens one forward at a time -> (ids, their distributions when the mapper keeps them, stopped
         at EOS, the first position's distribution when sampling). `first_logits` (1, Vd): the first step's,
-        already computed (`_heal`)."""
+        already computed (`_heal`); `restate`: the committed bytes the drafted text must start with (default: the
+        mapper's; none after a healed first id, which restated them)."""
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         restrict = mapper.restrict  # (Vd,) bool or None
         keep_rows = mapper.keeps_rows and self.warpers is not None
         first = None
-        remaining = mapper.restate  # committed bytes the drafted text must start with
+        remaining = mapper.restate if restate is None else restate
         for _ in range(k):
             logits = first_logits if first_logits is not None and not ids else draft.forward(keep=1)  # (1, Vd)
             if remaining:

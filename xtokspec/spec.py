@@ -362,7 +362,7 @@ class XTokSpec:
         return loop.Run(target, draft, self._mapper(kind, config, draft.ids), proposer, sampler, draft_length, fallback,
                         (stats, draft_length, budget, fallback) if config.tree_width > 1 else (stats, draft_length, fallback),
                         stats, self.target_eos, target_limit, draft_limit,
-                        config.max_draft_tokens + 2)  # NOTE: + 1 where a cycle restates committed text
+                        config.max_draft_tokens + 1)
 
     def _mapper(self, kind: str, config: SpecConfig, draft_prompt: list[int]):
         """The mapper for a proposal kind (options.proposal_kind)."""

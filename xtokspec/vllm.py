@@ -189,7 +189,7 @@ class ProposerStats:
     batched_forwards: int = 0  # forwards over several requests at once (draft_together)
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
-    healed: int = 0  # proposals whose draft restated its last token of the text (token healing)
+    healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
     draft_s: float = 0.0  # seconds in the draft's forwards
     bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
     other_s: float = 0.0  # seconds matching rows, committing and creating states (prefills included)
@@ -248,7 +248,7 @@ class TextBridgeProposer:
         self.max_model_len = model_config.max_model_len
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
         self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer), token_bytes=self.draft.token_bytes)
-        # token healing, as XTokSpec's greedy chains: each cycle the draft restates its last token of the text
+        # token healing, as XTokSpec's greedy chains: each cycle the draft chooses its last token again
         self.healing = bool(extra.get(HEALING_KEY, True)) and not self.same_vocab
         # NOTE: one for every request, healing or not (the ids that may restate an incomplete character too)
         self.draft_index = PrefixIndex(self.draft.token_bytes)
