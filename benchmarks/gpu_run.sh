@@ -22,6 +22,8 @@
 #                                  # vLLM proposer's batched draft forwards against one per request (real drafts' shapes)
 #   bash benchmarks/gpu_run.sh 18  # the batched draft forwards at Gemma-3's shape; the loop's overhead at the 13B shapes, eager
 #   bash benchmarks/gpu_run.sh 19  # the vLLM proposer's captured drafts: their CUDA test, their cost against eager and batched
+#   bash benchmarks/gpu_run.sh 20  # token healing on the GPU: the CUDA tests, the one-hot chi-square case, the fixture
+#                                  # preset healed against unhealed (greedy and T=0.7)
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -169,6 +171,22 @@ case "${1:-1}" in
     tests/test_vllm.py -k "captured_drafts_on_cuda"
   step 150 batch-drafts-captured python3 benchmarks/batch_draft_cost.py --device cuda --drafts fixture smollm2 \
     --batches 1 4 8 16 --reps 5 --captured --out "$OUT/batch-drafts-captured"
+  ;;
+20)  # token healing (on by default) on the GPU: every CUDA test but inductor's (greedy equality heals the bridged
+     # chains; the bridged draft's host transfers per cycle healed and not), beside the one-hot chi-square case (the
+     # sampled kind that heals; its healed share asserted) on CUDA; then the fixture preset with the default
+     # configuration (CUDA graphs), each healing system against its -unhealed twin, with the fallback and drafting
+     # every cycle (-always), greedy and T=0.7
+  XTOKSPEC_TEST_DEVICE=cuda step 240 stats python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
+    --durations=0 tests/test_stats.py -k "end_to_end_sampling_matches_target and dynamic-onehot" &
+  XTOKSPEC_TEST_DEVICE=cuda step 240 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 6 \
+    --durations=0 tests/test_gpu.py -k "not compiled and not sampling_under_cuda_graphs"
+  wait
+  step 230 fixtures-healing xtokspec bench --preset fixtures --device cuda --prompts 12 --max-new-tokens 64 \
+    --modes greedy T=0.7 --tree-widths --unhealed --always-draft --no-progress --systems xtokspec-same \
+    xtokspec-bridged xtokspec-bridged-unhealed xtokspec-bridged-always xtokspec-bridged-unhealed-always \
+    xtokspec-bridged-onehot xtokspec-bridged-onehot-unhealed xtokspec-bridged-onehot-always \
+    xtokspec-bridged-onehot-unhealed-always --out "$OUT/fixtures-healing"
   ;;
 esac
 # one archive: the device returns at most 8 files

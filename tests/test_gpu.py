@@ -15,6 +15,8 @@ from xtokspec import SpecConfig, XTokSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
+# prompts (fixtures/data/prompts.txt) on which the bridged fixture draft heals its last token in several cycles
+HEALING_PROMPTS = ["reiserfsck はデバイス上の", "プリンタに対して使用する Po"]
 
 
 def load(name: str, device: str, **kwargs):
@@ -82,6 +84,46 @@ def test_greedy_cycle_makes_two_host_transfers(compile):
     assert (long - short) <= 2 * (long_cycles - short_cycles), f"{long - short} syncs for {long_cycles - short_cycles} cycles"
 
 
+@pytest.mark.parametrize("compile", [False, "auto"], ids=["eager", "graphs"])
+def test_bridged_greedy_cycle_host_transfers_with_and_without_token_healing(compile):
+    """The bridged draft (another tokenizer) on the GPU, healing on (the default) and off: the same output, the
+    target's, and the host transfers per cycle. Off, a cycle makes the two of the same-tokenizer chain (the drafted
+    ids, the verdict); on, the draft's choice between its last token and a longer one is read once more in a cycle
+    that may heal (mapping.TextBridge.heal_candidate), so at most three."""
+    target = load("ja-target", "cuda")
+    draft = load("ja-draft-bpe", "cuda")
+    specs = {healing: XTokSpec(target, draft, config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4,
+                                                                compile=compile, fallback=False,
+                                                                draft_healing=healing))
+             for healing in (True, False)}
+    counts = {}
+    for healing, spec in specs.items():
+        if compile:
+            assert spec.warmup(HEALING_PROMPTS[0], max_new_tokens=64, progress=False) > 0
+        spec.generate(HEALING_PROMPTS[0], max_new_tokens=8)  # warm-up
+
+        def syncs(n: int, spec=spec):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = spec.generate(HEALING_PROMPTS[0], max_new_tokens=n)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            return sum("synchroniz" in str(w.message) for w in caught), result
+
+        (short, few), (long, many) = syncs(8), syncs(64)
+        assert many.token_ids == target_ids(target, HEALING_PROMPTS[0], 64), healing
+        cycles = many.stats.target_forwards - few.stats.target_forwards
+        assert cycles >= 10, "the fixture target stopped early: the count needs more cycles"
+        counts[healing] = (long - short, cycles, many.stats.healed_cycles)
+        print(f"{compile=} healing={healing}: {long - short} syncs in {cycles} cycles, "
+              f"{many.stats.healed_cycles} of {many.stats.target_forwards} cycles healed")
+    assert counts[False][0] <= 2 * counts[False][1], counts
+    assert counts[True][0] <= 3 * counts[True][1], counts
+    assert counts[True][2] > 0 and counts[False][2] == 0, counts
+
+
 @pytest.mark.parametrize("options", [dict(compile=True, cache="static"), dict(tree_width=4, compile=False),
                                      dict(tree_width=4, compile=True, cache="static"), dict(),
                                      dict(tree_width=4), dict(compile="graphs", draft="ja-draft-same")],
@@ -99,17 +141,27 @@ def test_greedy_is_lossless_on_cuda_with(options, caplog):
     spec = XTokSpec(target, load(draft, "cuda"), config=SpecConfig(**options))
     caplog.set_level(logging.INFO, logger="xtokspec")
     graphs = options.get("compile", "auto") in ("auto", "graphs")
+    prompts = PROMPTS + HEALING_PROMPTS
     if options.get("compile", "auto"):
-        assert spec.warmup(max(PROMPTS, key=len), max_new_tokens=32, progress=False) > 0
+        assert spec.warmup(max(prompts, key=len), max_new_tokens=32, progress=False) > 0
         print(f"{options}: warmup {spec.capture_seconds:.2f} s;",
               [r.getMessage() for r in caplog.records if r.getMessage().startswith("warmup")])
     caplog.clear()
-    for prompt in PROMPTS:
+    healed = drafted = 0
+    for prompt in prompts:
         result = spec.generate(prompt, max_new_tokens=32)
         assert result.token_ids == target_ids(target, prompt, 32), prompt
         assert result.stats.cache.endswith("+graphs") == graphs and result.stats.capture_seconds == 0, result.stats.cache
+        healed += result.stats.healed_cycles
+        drafted += result.stats.target_forwards - result.stats.alone_cycles
     new = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("compiling ", "capturing "))]
     assert not new, new
+    # token healing (on by default) drafts the bridged chains' cycles (28% of them on the CPU), not the trees' or
+    # one tokenizer's; where the fallback ran the target alone nearly throughout, there was little to heal
+    if draft == "ja-draft-bpe" and options.get("tree_width", 1) == 1:
+        assert healed > 0 or drafted < 10, f"no healed cycle in {drafted} drafting cycles"
+    else:
+        assert healed == 0, healed
 
 
 def test_cuda_graphs_by_default_and_what_the_first_generate_spends_recording(caplog):
