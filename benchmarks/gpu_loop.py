@@ -23,6 +23,7 @@ Writes loop.json and loop.md to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -133,6 +134,7 @@ def run_xtokspec(spec: XTokSpec, tokens: int, device: str) -> dict:
         cycles = result.stats.target_forwards
         rows.append({"prompt": prompt, "tokens": len(result.token_ids), "cycles": cycles,
                      "draft_forwards": result.stats.draft_forwards, "nodes": result.stats.drafted / cycles,
+                     "healed": result.stats.healed_cycles,
                      "wall_s": wall, "model_s": model,
                      "cycle_ms": 1e3 * wall / cycles, "overhead_ms": 1e3 * (wall - model) / cycles,
                      "overhead_share": (wall - model) / wall,
@@ -185,17 +187,17 @@ def markdown(meta: dict, results: dict) -> str:
              f"weights at the {meta['pair']} shapes with the fixture tokenizers' vocabularies; K = {meta['k']} fixed; "
              f"{meta['tokens']} new tokens x {len(PROMPTS)} prompts; medians over prompts.", "",
              "| system | cycles | proposals verified per cycle | ms per cycle | model calls ms per cycle | "
-             "loop overhead ms per cycle | overhead share |",
-             "|---|---|---|---|---|---|---|"]
+             "loop overhead ms per cycle | overhead share | cycles healed |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | | |")
         elif "median_overhead_ms" in r:
             lines.append(f"| {name} | {r['median_cycles']:.0f} | {r['median_nodes']:.1f} | {r['median_cycle_ms']:.2f} | "
                          f"{r['median_cycle_ms'] - r['median_overhead_ms']:.2f} | {r['median_overhead_ms']:.2f} | "
-                         f"{100 * r['median_overhead_share']:.1f}% |")
+                         f"{100 * r['median_overhead_share']:.1f}% | {r.get('median_healed', 0):.0f} |")
         else:
-            lines.append(f"| {name} | {r['median_cycles']:.0f} | | {r['median_cycle_ms']:.2f} | | | |")
+            lines.append(f"| {name} | {r['median_cycles']:.0f} | | {r['median_cycle_ms']:.2f} | | | | |")
     lines += ["", "Model calls per cycle by kind (ms, medians over prompts):", ""]
     for name, r in results.items():
         split = {k[len("median_"):-3]: v for k, v in r.items() if k.startswith("median_") and k.endswith(" ms")}
@@ -221,6 +223,9 @@ def main() -> None:
                         help="token trees of this width (every drafted node verified: adaptive is off)")
     parser.add_argument("--drafts", nargs="+", default=["same", "bridged"], choices=["same", "bridged"],
                         help="which drafts run (a compiled run of both may not fit in one 10-minute device call)")
+    parser.add_argument("--unhealed", action="store_true",
+                        help="beside the bridged chain, its twin with SpecConfig(draft_healing=False): what token "
+                             "healing's host read per cycle costs the loop")
     args = parser.parse_args()
     import logging
 
@@ -261,6 +266,8 @@ def main() -> None:
                                                        **tree)}
         else:
             configs = {suffix: SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=False, **tree)}
+        if args.unhealed and draft_name == "bridged" and args.tree_width == 1:
+            configs |= {f"{name} unhealed": dataclasses.replace(config, draft_healing=False) for name, config in configs.items()}
         for suffix, config in configs.items():
             name = f"xtokspec {draft_name}{suffix}"
             try:

@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_run.sh 19  # the vLLM proposer's captured drafts: their CUDA test, their cost against eager and batched
 #   bash benchmarks/gpu_run.sh 20  # token healing on the GPU: the CUDA tests, the one-hot chi-square case, the fixture
 #                                  # preset healed against unhealed (greedy and T=0.7)
+#   bash benchmarks/gpu_run.sh 21  # healing's host transfers: their CUDA test; the loop per cycle healed and not (13B shapes)
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -187,6 +188,14 @@ case "${1:-1}" in
     xtokspec-bridged xtokspec-bridged-unhealed xtokspec-bridged-always xtokspec-bridged-unhealed-always \
     xtokspec-bridged-onehot xtokspec-bridged-onehot-unhealed xtokspec-bridged-onehot-always \
     xtokspec-bridged-onehot-unhealed-always --out "$OUT/fixtures-healing"
+  ;;
+21)  # token healing's host read per cycle: the transfers test again, then the bridged loop per cycle at the 13B
+     # shapes with and without healing, eager and under CUDA graphs (random weights heal about a third of cycles)
+  XTOKSPEC_TEST_DEVICE=cuda step 120 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP -n 2 \
+    tests/test_gpu.py -k "host_transfers"
+  step 200 loop-healing python3 benchmarks/gpu_loop.py --drafts bridged --unhealed --out "$OUT/loop-healing"
+  step 200 loopg-healing python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --unhealed \
+    --out "$OUT/loopg-healing"
   ;;
 esac
 # one archive: the device returns at most 8 files

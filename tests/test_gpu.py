@@ -88,8 +88,10 @@ def test_greedy_cycle_makes_two_host_transfers(compile):
 def test_bridged_greedy_cycle_host_transfers_with_and_without_token_healing(compile):
     """The bridged draft (another tokenizer) on the GPU, healing on (the default) and off: the same output, the
     target's, and the host transfers per cycle. Off, a cycle makes the two of the same-tokenizer chain (the drafted
-    ids, the verdict); on, the draft's choice between its last token and a longer one is read once more in a cycle
-    that may heal (mapping.TextBridge.heal_candidate), so at most three."""
+    ids, the verdict), and one per draft step in the few cycles whose first token must restate an incomplete
+    character (drafted on the host: 39 in 19 cycles measured on an H200); on, the draft's choice between its last
+    token and a longer one is read once more in each cycle that may heal (mapping.TextBridge.heal_candidate; 55 in
+    18). A transfer per draft step in every cycle (six a cycle at K = 4) fails both bounds."""
     target = load("ja-target", "cuda")
     draft = load("ja-draft-bpe", "cuda")
     specs = {healing: XTokSpec(target, draft, config=SpecConfig(cache="static", adaptive=False, num_draft_tokens=4,
@@ -119,8 +121,9 @@ def test_bridged_greedy_cycle_host_transfers_with_and_without_token_healing(comp
         counts[healing] = (long - short, cycles, many.stats.healed_cycles)
         print(f"{compile=} healing={healing}: {long - short} syncs in {cycles} cycles, "
               f"{many.stats.healed_cycles} of {many.stats.target_forwards} cycles healed")
-    assert counts[False][0] <= 2 * counts[False][1], counts
-    assert counts[True][0] <= 3 * counts[True][1], counts
+    per_cycle = {healing: syncs / cycles for healing, (syncs, cycles, _) in counts.items()}
+    assert per_cycle[False] <= 2.5, counts
+    assert per_cycle[True] <= min(3.5, per_cycle[False] + 1.1), counts
     assert counts[True][2] > 0 and counts[False][2] == 0, counts
 
 
