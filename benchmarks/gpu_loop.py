@@ -226,6 +226,9 @@ def main() -> None:
     parser.add_argument("--unhealed", action="store_true",
                         help="beside the bridged chain, its twin with SpecConfig(draft_healing=False): what token "
                              "healing's host read per cycle costs the loop")
+    parser.add_argument("--unhealed-first", action="store_true",
+                        help="run the -unhealed twin before the healing system (the first system may pay for the "
+                             "GPU's warming up)")
     args = parser.parse_args()
     import logging
 
@@ -267,7 +270,8 @@ def main() -> None:
         else:
             configs = {suffix: SpecConfig(adaptive=False, num_draft_tokens=args.k, compile=False, **tree)}
         if args.unhealed and draft_name == "bridged" and args.tree_width == 1:
-            configs |= {f"{name} unhealed": dataclasses.replace(config, draft_healing=False) for name, config in configs.items()}
+            twins = {f"{name} unhealed": dataclasses.replace(config, draft_healing=False) for name, config in configs.items()}
+            configs = twins | configs if args.unhealed_first else configs | twins
         for suffix, config in configs.items():
             name = f"xtokspec {draft_name}{suffix}"
             try:

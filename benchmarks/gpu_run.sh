@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_run.sh 20  # token healing on the GPU: the CUDA tests, the one-hot chi-square case, the fixture
 #                                  # preset healed against unhealed (greedy and T=0.7)
 #   bash benchmarks/gpu_run.sh 21  # healing's host transfers: their CUDA test; the loop per cycle healed and not (13B shapes)
+#   bash benchmarks/gpu_run.sh 22  # the same loops in both orders (which of the two runs first)
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -196,6 +197,14 @@ case "${1:-1}" in
   step 200 loop-healing python3 benchmarks/gpu_loop.py --drafts bridged --unhealed --out "$OUT/loop-healing"
   step 200 loopg-healing python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --unhealed \
     --out "$OUT/loopg-healing"
+  ;;
+22)  # part 21's loops with the unhealed twin first, then the eager one again healed first: the first system may
+     # pay for the GPU warming up
+  step 120 loop-healing-u python3 benchmarks/gpu_loop.py --drafts bridged --unhealed --unhealed-first \
+    --out "$OUT/loop-healing-u"
+  step 90 loopg-healing-u python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --unhealed \
+    --unhealed-first --out "$OUT/loopg-healing-u"
+  step 120 loop-healing-h python3 benchmarks/gpu_loop.py --drafts bridged --unhealed --out "$OUT/loop-healing-h"
   ;;
 esac
 # one archive: the device returns at most 8 files
