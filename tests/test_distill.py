@@ -292,6 +292,46 @@ def test_token_level_targets_sit_where_both_tokenizations_start_a_token(bpe_toke
     assert "soft_pos" not in training_examples(bpe_tokenizer, [record], 64)[0]  # without the map: sequence-level
 
 
+def test_cut_records_end_where_the_bridge_leaves_the_draft_at_a_cycle_start(bpe_tokenizer, sp_tokenizer):
+    """cut_share=1: every record with a target token boundary inside one of the draft's own tokens (of the
+    continuation) is tokenized as the bridge shows it at a cycle start there: its ids spell the same bytes, a
+    first part ends exactly at such a boundary, and the rest is the bridge's own encoding of the remaining text;
+    the prompt stays out of the loss. Checked against a brute-force search for the cut; cut_share=0 changes
+    nothing."""
+    from xtokspec.codec import TokenCodec
+
+    draft, target = TokenCodec(bpe_tokenizer, name="draft"), TokenCodec(sp_tokenizer, name="target")
+    rng = random.Random(3)
+    records = [{"prompt": p, "continuation": "".join(rng.choice(WORDS) for _ in range(6)), "eos": False}
+               for p in toy_prompts(40, seed=5)]
+    plain = training_examples(bpe_tokenizer, records, 256)
+    assert training_examples(bpe_tokenizer, records, 256, draft, None, target, 0.0) == plain
+    cut = training_examples(bpe_tokenizer, records, 256, draft, None, target, 1.0, seed=1)
+    n_cut = 0
+    for record, before, after in zip(records, plain, cut, strict=True):
+        prompt = record["prompt"].encode()
+        text = prompt + record["continuation"].encode()
+        canonical = [0]
+        for i in before["input_ids"]:
+            canonical.append(canonical[-1] + len(draft.token_bytes[i]))
+        _, t_ends = target.encode_stream(record["continuation"])
+        possible = {len(prompt) + e for e in t_ends[:-1]} & {
+            pos for a, b in zip(canonical, canonical[1:], strict=False) for pos in range(a + 1, b)}
+        ids = after["input_ids"]
+        assert b"".join(draft.token_bytes[i] for i in ids) == text
+        if not possible:
+            assert after == before
+            continue
+        n_cut += 1
+        ends = [len(b"".join(draft.token_bytes[i] for i in ids[:m])) for m in range(len(ids) + 1)]
+        splits = [m for m, end in enumerate(ends) if end in possible
+                  and ids[m:] == draft.encode_stream(text[end:].decode())[0]]
+        assert splits, (record, ids)
+        starts = ends[:-1]
+        assert after["labels"] == [i if start >= len(prompt) else -100 for i, start in zip(ids, starts, strict=True)]
+    assert n_cut >= 10, n_cut
+
+
 def test_token_level_loss_trains_where_the_vocabularies_meet(pair, tmp_path):
     report = distill(*pair, PROMPTS, tmp_path / "out", **{**QUICK, "max_steps": 20, "learning_rate": 1e-2},
                      token_loss=1.0, token_top_k=8)

@@ -213,7 +213,7 @@ def _distill(args: argparse.Namespace) -> int:
             prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
             lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
-            eval_count=args.eval_count, agreement_count=args.agreement_count, eval_new_tokens=args.eval_new_tokens,
+            cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count, eval_new_tokens=args.eval_new_tokens,
             eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
         )
     except KeyboardInterrupt:
@@ -288,6 +288,10 @@ def _add_distill_parser(sub) -> None:
                      "(0: sequence-level alone)")
     dis.add_argument("--token-top-k", type=int, default=d.token_top_k,
                      help="target probabilities kept per position for --token-loss")
+    dis.add_argument("--cut-share", type=float, default=d.cut_share, metavar="SHARE",
+                     help="share of the training sequences tokenized as the text bridge shows text to the draft at "
+                     "a cycle start: cut at a target token boundary that falls inside one of the draft's own "
+                     "tokens (0: none)")
     dis.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per held-out prompt")
     dis.add_argument("--eval-temperature", type=float, default=d.eval_temperature,
                      help="temperature of the sampled evaluation (tokens per target call)")

@@ -250,7 +250,8 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
     target_to_draft = None
     if settings.token_loss > 0:
         target_to_draft = target_to_draft_ids(spec.vocab_maps.token_map)
-    examples = training_examples(d_tok, records, settings.max_length, spec.draft, target_to_draft)
+    examples = training_examples(d_tok, records, settings.max_length, spec.draft, target_to_draft, spec.target,
+                                 settings.cut_share, settings.seed)
     deadline = None if max_seconds is None else start + max_seconds
     _log(f"training on {len(examples)} sequences ({len(records)} continuations)", progress)
     student, train_summary = train_draft(student, d_tok, examples, settings, partial, deadline=deadline,

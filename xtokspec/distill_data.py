@@ -42,6 +42,7 @@ class DistillSettings:
     lora_rank: int = 16
     token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
     token_top_k: int = 16  # target probabilities kept per position for it
+    cut_share: float = 0.0  # share of the training sequences cut at a target token boundary (training_examples)
     eval_count: int = 16  # held-out prompts split off the prompt source when no eval_prompts are given
     agreement_count: int = 0  # held-out prompts of the teacher-forced agreement (0: the eval_count ones)
     eval_new_tokens: int = 64
@@ -66,6 +67,8 @@ class DistillSettings:
                 raise XTokSpecError(f"{name} must be 0 or more, got {value!r}")
         if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
             raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")
+        if not 0 <= self.cut_share <= 1:
+            raise XTokSpecError(f"cut_share must be between 0 and 1, got {self.cut_share!r}")
         if not self.token_loss >= 0:
             raise XTokSpecError(f"token_loss must be 0 or more, got {self.token_loss!r}")
         if not self.learning_rate > 0:

@@ -5,12 +5,15 @@ transformers' Trainer."""
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from .codec import is_char_boundary
 from .distill_data import DistillSettings
 from .kv import input_device
 from .models import cpu_has_bf16_matmul
@@ -19,7 +22,8 @@ from .types import XTokSpecError
 
 # ---------------------------------------------------------------- phase 2: training
 def training_examples(tokenizer, records: Sequence[dict], max_length: int, codec=None,
-                      target_to_draft: dict[int, int] | None = None) -> list[dict]:
+                      target_to_draft: dict[int, int] | None = None, target_codec=None, cut_share: float = 0.0,
+                      seed: int = 0) -> list[dict]:
     """Each record's prompt + continuation in the draft's tokenization (its BOS where it adds one; its EOS where
     the target ended), with the labels of every token that covers prompt characters set to -100 (out of the loss).
     Records with nothing left to learn are dropped.
@@ -27,25 +31,77 @@ def training_examples(tokenizer, records: Sequence[dict], max_length: int, codec
     With the draft's `codec` and `target_to_draft` (target id -> the draft id of the same bytes: the intersection
     of the vocabularies) and records that have "target_top": "soft" targets for the token-level loss, at each
     continuation position where both tokenizations start a token at the same byte: the target's top ids there
-    that the draft has, as draft ids, with their probabilities renormalised over those ids."""
+    that the draft has, as draft ids, with their probabilities renormalised over those ids.
+
+    With `target_codec` and `cut_share` > 0: that share of the records (seeded) is tokenized as the text bridge
+    shows text to the draft at a cycle start, cut at one of the target's token boundaries inside the continuation
+    that falls inside one of the draft's own tokens (`_cut_ids`); the draft then learns to go on from a piece its
+    own tokenizer would not have ended on. The token-level loss's targets are not given to cut records."""
     eos = tokenizer.eos_token_id
+    rng = random.Random(seed)
     examples = []
     for r in records:
         text = r["prompt"] + r["continuation"]
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-        if r["eos"] and eos is not None:
-            ids.append(eos)
-            offsets.append((len(text), len(text) + 1))
         start = len(r["prompt"])
         labels = [i if a >= start and b > a else -100 for i, (a, b) in zip(ids, offsets, strict=True)]
+        cut = None
+        if cut_share > 0 and codec is not None and target_codec is not None and rng.random() < cut_share:
+            cut = _cut_ids(codec, target_codec, r, ids, rng)
+            if cut is not None:
+                ids, labels = cut
+        if r["eos"] and eos is not None:
+            ids.append(eos)
+            labels.append(eos)
         ids, labels = ids[:max_length], labels[:max_length]
         if any(label != -100 for label in labels[1:]):  # the first position is never predicted
             example = {"input_ids": ids, "labels": labels}
-            if codec is not None and target_to_draft is not None and "target_top" in r:
+            if codec is not None and target_to_draft is not None and "target_top" in r and cut is None:
                 example.update(_soft_targets(codec, target_to_draft, r, ids, labels))
             examples.append(example)
     return examples
+
+
+def _cut_ids(codec, target_codec, record: dict, ids: list[int], rng: random.Random):
+    """The draft's ids of prompt + continuation (`ids`, its own tokenization, BOS first where it has one) as the
+    text bridge leaves them at a cycle start whose committed text ends at a target token boundary inside one of
+    those ids: the ids before that one, then the cut text's own encoding, then the rest of the text's encoding
+    (`codec.encode_stream`, the bridge's) -> (ids, labels: the ids that start in the continuation), or None where
+    no target boundary of the continuation falls inside a draft id, or the ids do not spell the text byte for
+    byte (a normalizer, a dummy prefix)."""
+    prompt = record["prompt"].encode("utf-8")
+    text = prompt + record["continuation"].encode("utf-8")
+    pieces = [codec.token_bytes[i] for i in ids]
+    if b"".join(pieces) != text:
+        return None
+    ends = list(accumulate(len(piece) for piece in pieces))
+    inside = {}  # byte position strictly inside an id -> that id's index
+    for j, (piece, end) in enumerate(zip(pieces, ends, strict=True)):
+        for pos in range(end - len(piece) + 1, end):
+            inside[pos] = j
+    _, target_ends = target_codec.encode_stream(record["continuation"])
+    cuts = [len(prompt) + e for e in target_ends[:-1] if len(prompt) + e in inside]
+    cuts = [c for c in cuts if is_char_boundary(text, c)]
+    if not cuts:
+        return None
+    c = rng.choice(cuts)
+    j = inside[c]
+    start = ends[j] - len(pieces[j])
+    while not is_char_boundary(text, start):  # a byte-level id that starts inside a character: from the one before
+        j -= 1
+        start = ends[j] - len(pieces[j])
+    head, _ = codec.encode_stream(text[start:c].decode("utf-8"))
+    tail, _ = codec.encode_stream(text[c:].decode("utf-8"))
+    new = ids[:j] + head + tail
+    if b"".join(codec.token_bytes[i] for i in new) != text:
+        return None
+    labels, pos = [], 0
+    for i in new:
+        piece = codec.token_bytes[i]
+        labels.append(i if pos >= len(prompt) and piece else -100)
+        pos += len(piece)
+    return new, labels
 
 
 def target_to_draft_ids(token_map) -> dict[int, int]:
