@@ -9,11 +9,16 @@ acceptance and its gain over the first draft unhealed, with a 95% bootstrap inte
 
     python benchmarks/draft_compare.py --target ~/.cache/xtokspec/real/qwen2.5-coder-1.5b \\
         --draft base=~/.cache/xtokspec/real/gemma-3-270m --draft distilled=RUN --out DIR
+
+On two cores, one process per core over half the prompts each (`--shard 0/2`, `--shard 1/2`, each its own --out),
+then one report over both: `python benchmarks/draft_compare.py --merge DIR0 DIR1 --out DIR`. Speed ratios stay
+paired per prompt (each prompt's systems run in one process).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from pathlib import Path
@@ -36,14 +41,22 @@ def counts(runs: list[Run], system: str) -> dict[int, tuple[int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--draft", action="append", required=True, metavar="NAME=PATH",
+    parser.add_argument("--target")
+    parser.add_argument("--draft", action="append", metavar="NAME=PATH",
                         help="a draft (repeat; the first is the baseline the gains are measured from)")
     parser.add_argument("--heldout", type=int, default=10, help="seeded held-out prompts after the real preset's six")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shard", default="0/1", metavar="I/N", help="only the prompts whose index is I modulo N")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                        help="no run: one report over these shards' results (each written with --shard)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.merge:
+        return merge([Path(d) for d in args.merge], Path(args.out))
+    if not args.target or not args.draft:
+        parser.error("--target and at least one --draft are needed (or --merge)")
+    shard, shards = (int(x) for x in args.shard.split("/"))
     torch.set_num_threads(args.threads)
     target = load(str(Path(args.target).expanduser()), "target", dtype=torch.bfloat16)
     target[0].generation_config.repetition_penalty = 1.0  # xtokspec implements no repetition penalty
@@ -75,6 +88,8 @@ def main() -> None:
         fn(prompts[0])
     runs, outputs = [], {}
     for p_index, prompt in enumerate(prompts):
+        if p_index % shards != shard:
+            continue
         order = list(systems.items())
         random.Random(p_index).shuffle(order)
         for name, fn in order:
@@ -88,23 +103,49 @@ def main() -> None:
     out = Path(args.out)
     meta = {"preset": "real", "modes": ["greedy"], "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "dtype": "bfloat16", "threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu",
-            "cpu": cpu_name(), "target": args.target, "drafts": args.draft, "fallback": False}
+            "cpu": cpu_name(), "target": args.target, "drafts": args.draft, "fallback": False, "shard": args.shard}
+    report(out, meta, runs, outputs, list(systems))
+
+
+def merge(dirs: list[Path], out: Path) -> None:
+    """One report over shards' results.json and outputs.json (their prompts disjoint)."""
+    meta, runs, outputs, names = None, [], {}, []
+    for d in dirs:
+        saved = json.loads((d / "results.json").read_text())
+        meta = meta or {**saved["meta"], "shard": "merged: " + " ".join(str(x) for x in dirs)}
+        runs += [Run(**r) for r in saved["runs"]]
+        for name, by_prompt in json.loads((d / "outputs.json").read_text()).items():
+            names += [name] if name not in names else []
+            outputs.update({(name, int(k)): ids for k, ids in by_prompt.items()})
+    report(out, meta, runs, outputs, names)
+
+
+def report(out: Path, meta: dict, runs: list[Run], outputs: dict, names: list[str]) -> None:
+    """bench's tables, outputs.json, and compare.md: per-token acceptance per system and its gain over the first
+    draft unhealed, with how many outputs equal the target's."""
     table = write_report(out, meta, runs)
-    base = f"xtokspec-{next(iter(drafts))}-unhealed"
+    prompts = sorted({r.prompt for r in runs})
+    by_name: dict[str, dict[int, list[int]]] = {}
+    for (name, k), ids in outputs.items():
+        by_name.setdefault(name, {})[k] = ids
+    (out / "outputs.json").write_text(json.dumps(by_name))
+    first = next(name for name in names if name != "target")
+    base = first if first.endswith("-unhealed") else f"{first}-unhealed"
     lines = [f"# Drafts with and without token healing ({meta['cpu']}, {meta['threads']} thread(s), bf16, "
-             f"{len(prompts)} prompts x {args.max_new_tokens} tokens, fallback off)", "",
+             f"{len(prompts)} prompts x {meta['max_new_tokens']} tokens, fallback off)", "",
              f"| system | per-token acceptance | gain over {base} [95% CI] | outputs equal to the target's |",
              "|---|---|---|---|"]
     rows = []
-    for name in systems:
+    for name in names:
         if name == "target":
             continue
         gain = pooled_gain(counts(runs, base), counts(runs, name))
         lo, hi = gain["gain_ci95"]
-        equal = sum(outputs[name, k] == outputs["target", k] for k in range(len(prompts)))
+        equal = sum(outputs[name, k] == outputs["target", k] for k in prompts)
         rows.append({"system": name, **gain, "equal": equal})
         lines.append(f"| {name} | {gain['after']:.3f} | {gain['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {equal}/{len(prompts)} |")
     save_report(out, "compare", lines, table, {"meta": meta, "rows": rows})
+
 
 if __name__ == "__main__":
     main()
