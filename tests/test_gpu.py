@@ -54,6 +54,18 @@ def test_target_with_device_map_auto():
     assert spec.generate(PROMPTS[1], max_new_tokens=32).token_ids == target_ids(target, PROMPTS[1], 32)
 
 
+def count_syncs(spec: XTokSpec, prompt: str, n: int):
+    """(host syncs, result) of one generation, counted by CUDA's sync debug mode (it warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = spec.generate(prompt, max_new_tokens=n)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught), result
+
+
 @pytest.mark.parametrize("compile", [False, "auto"], ids=["eager", "graphs"])
 def test_greedy_cycle_makes_two_host_transfers(compile):
     """The drafted ids once (for the bridge) and the verdict once per cycle; CUDA's sync debug mode warns at each
@@ -68,14 +80,8 @@ def test_greedy_cycle_makes_two_host_transfers(compile):
     spec.generate(PROMPTS[1], max_new_tokens=8)  # warm-up
 
     def syncs_and_cycles(n: int) -> tuple[int, int]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                result = spec.generate(PROMPTS[1], max_new_tokens=n)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        return sum("synchroniz" in str(w.message) for w in caught), result.stats.target_forwards
+        syncs, result = count_syncs(spec, PROMPTS[1], n)
+        return syncs, result.stats.target_forwards
 
     (short, short_cycles), (long, long_cycles) = syncs_and_cycles(8), syncs_and_cycles(64)
     print(f"{compile=}: {short} syncs in {short_cycles} cycles, {long} in {long_cycles}")
@@ -103,18 +109,7 @@ def test_bridged_greedy_cycle_host_transfers_with_and_without_token_healing(comp
         if compile:
             assert spec.warmup(HEALING_PROMPTS[0], max_new_tokens=64, progress=False) > 0
         spec.generate(HEALING_PROMPTS[0], max_new_tokens=8)  # warm-up
-
-        def syncs(n: int, spec=spec):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    result = spec.generate(HEALING_PROMPTS[0], max_new_tokens=n)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            return sum("synchroniz" in str(w.message) for w in caught), result
-
-        (short, few), (long, many) = syncs(8), syncs(64)
+        (short, few), (long, many) = (count_syncs(spec, HEALING_PROMPTS[0], n) for n in (8, 64))
         assert many.token_ids == target_ids(target, HEALING_PROMPTS[0], 64), healing
         cycles = many.stats.target_forwards - few.stats.target_forwards
         assert cycles >= 10, "the fixture target stopped early: the count needs more cycles"
