@@ -109,15 +109,16 @@ def main() -> None:
 
 def merge(dirs: list[Path], out: Path) -> None:
     """One report over shards' results.json and outputs.json (their prompts disjoint)."""
-    meta, runs, outputs, names = None, [], {}, []
+    meta, runs, outputs = None, [], {}
     for d in dirs:
         saved = json.loads((d / "results.json").read_text())
         meta = meta or {**saved["meta"], "shard": "merged: " + " ".join(str(x) for x in dirs)}
         runs += [Run(**r) for r in saved["runs"]]
         for name, by_prompt in json.loads((d / "outputs.json").read_text()).items():
-            names += [name] if name not in names else []
             outputs.update({(name, int(k)): ids for k, ids in by_prompt.items()})
-    report(out, meta, runs, outputs, names)
+    drafts = [item.partition("=")[0] for item in meta["drafts"]]
+    report(out, meta, runs, outputs, ["target"] + [f"xtokspec-{name}{suffix}" for name in drafts
+                                                   for suffix in ("", "-unhealed")])
 
 
 def report(out: Path, meta: dict, runs: list[Run], outputs: dict, names: list[str]) -> None:
@@ -125,9 +126,7 @@ def report(out: Path, meta: dict, runs: list[Run], outputs: dict, names: list[st
     draft unhealed, with how many outputs equal the target's."""
     table = write_report(out, meta, runs)
     prompts = sorted({r.prompt for r in runs})
-    by_name: dict[str, dict[int, list[int]]] = {}
-    for (name, k), ids in outputs.items():
-        by_name.setdefault(name, {})[k] = ids
+    by_name = {name: {k: outputs[name, k] for k in prompts} for name in names}
     (out / "outputs.json").write_text(json.dumps(by_name))
     first = next(name for name in names if name != "target")
     base = first if first.endswith("-unhealed") else f"{first}-unhealed"
