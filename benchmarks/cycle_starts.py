@@ -1,0 +1,113 @@
+"""Where a bridged cycle starts, and how often its first proposal is accepted there.
+
+Each cycle starts where the committed text ends: at a target token boundary that falls either between two of the
+draft's own tokens (its encoding of the whole final text: "aligned") or inside one of them ("inside": the target
+ends "基本" where the draft writes "基本的な"). benchmarks/boundary_cuts.py measures the draft's first token at
+every such boundary of reference text; this measures the cycles the decoder runs: greedy, the fallback off, token
+healing off, the real preset's 6 prompts and 10 seeded held-out ones x 64 tokens. Per kind of cycle start: the
+cycles, the share whose first proposal was accepted, and the per-token acceptance of those cycles. A run writes
+OUT/<name>-<shard>.json (each cycle's committed ids, accepted count, proposals); --report reads them.
+
+    python benchmarks/cycle_starts.py --draft base=~/.cache/xtokspec/real/gemma-3-270m --shard 0/2 --out DIR
+    python benchmarks/cycle_starts.py --report --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from distill_agreement import held_out_prompts
+
+from xtokspec import SpecConfig, XTokSpec, loop
+from xtokspec.bench import REAL_PROMPTS, real_model_dir
+from xtokspec.models import load
+
+KINDS = ("first", "aligned", "inside")  # "first": the prompt's end (the first cycle)
+
+
+def run(name: str, path: str, shard: str, out: Path) -> None:
+    index, shards = (int(x) for x in shard.split("/"))
+    target = load(str(real_model_dir("qwen2.5-coder-1.5b")), "target", dtype=torch.bfloat16)
+    draft = load(str(Path(path).expanduser()), "draft", dtype=torch.bfloat16)
+    spec = XTokSpec(target, draft, config=SpecConfig(fallback=False, draft_healing=False))
+    cycles = []
+    drafted_cycle = loop.drafted_cycle
+
+    def recorded(run, remaining):
+        new_ids, record = drafted_cycle(run, remaining)
+        cycles.append((new_ids, record.accepted, record.depth))
+        return new_ids, record
+
+    loop.drafted_cycle = recorded
+    rows = []
+    for prompt in (REAL_PROMPTS + held_out_prompts(0, 10))[index::shards]:
+        cycles.clear()
+        result = spec.generate(prompt, max_new_tokens=64)
+        rows.append({"prompt": prompt, "out": result.token_ids, "cycles": list(cycles)})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}-{index}.json").write_text(json.dumps(rows, ensure_ascii=False))
+
+
+def report(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from xtokspec.codec import TokenCodec
+
+    t = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("qwen2.5-coder-1.5b")), name="target")
+    d = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("gemma-3-270m")), name="draft")
+    names = dict.fromkeys(p.stem.rsplit("-", 1)[0] for p in sorted(out.glob("*-*.json")))
+    lines = ["| draft | kind of cycle start | cycles | first proposal accepted | per-token acceptance |",
+             "|---|---|---|---|---|"]
+    summary = {}
+    for name in names:
+        stat = defaultdict(lambda: [0, 0, 0, 0])  # cycles, first accepted, accepted, proposals tested
+        for f in sorted(out.glob(f"{name}-*.json")):
+            for row in json.loads(f.read_text()):
+                prompt = row["prompt"].encode()
+                text = prompt + b"".join(t.token_bytes[i] for i in row["out"])
+                _, ends = d.encode_stream(text.decode("utf-8", errors="ignore"))
+                inside, start = set(), 0
+                for end in ends:
+                    inside.update(range(start + 1, end))
+                    start = end
+                pos = len(prompt)
+                for n, (new_ids, accepted, depth) in enumerate(row["cycles"]):
+                    kind = "first" if n == 0 else "inside" if pos in inside else "aligned"
+                    if depth >= 1:
+                        s = stat[kind]
+                        s[0] += 1
+                        s[1] += accepted >= 1
+                        s[2] += accepted
+                        s[3] += accepted + (accepted < depth)  # a rejection tests one more proposal
+                    pos += sum(len(t.token_bytes[i]) for i in new_ids)
+        summary[name] = {k: {"cycles": v[0], "first_accepted": v[1] / v[0], "acceptance": v[2] / v[3]}
+                         for k, v in stat.items()}
+        for kind in KINDS:
+            if kind in summary[name]:
+                s = summary[name][kind]
+                lines.append(f"| {name} | {kind} | {s['cycles']} | {s['first_accepted']:.3f} | {s['acceptance']:.3f} |")
+    (out / "cycle_starts.md").write_text("\n".join(lines) + "\n")
+    (out / "cycle_starts.json").write_text(json.dumps(summary, indent=1))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", metavar="NAME=PATH", help="a draft for Qwen2.5-Coder-1.5B (its tokenizer Gemma-3's)")
+    parser.add_argument("--shard", default="0/1", metavar="I/N", help="only the prompts whose index is I modulo N")
+    parser.add_argument("--report", action="store_true", help="no run: the table over OUT's runs")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.report:
+        return report(args.out)
+    name, _, path = args.draft.partition("=")
+    run(name, path, args.shard, args.out)
+
+
+if __name__ == "__main__":
+    main()
