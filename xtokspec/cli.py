@@ -213,8 +213,8 @@ def _distill(args: argparse.Namespace) -> int:
             prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
             lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
-            cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count, eval_new_tokens=args.eval_new_tokens,
-            eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
+            cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count,
+            eval_new_tokens=args.eval_new_tokens, eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
         )
     except KeyboardInterrupt:
         print(f"xtokspec: interrupted; the data and the last checkpoint are in {args.out}.partial: run the same "
