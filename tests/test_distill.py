@@ -332,6 +332,29 @@ def test_cut_records_end_where_the_bridge_leaves_the_draft_at_a_cycle_start(bpe_
     assert n_cut >= 10, n_cut
 
 
+def test_cut_share_reaches_the_training_sequences(pair, tmp_path, monkeypatch):
+    """distill(cut_share=1.0) trains on cut sequences (the target's codec handed to training_examples, some
+    sequences no longer the draft's plain tokenization); a share outside [0, 1] is refused before anything runs."""
+    calls = []
+    original = distill_module.training_examples
+
+    def spy(*args, **kwargs):
+        calls.append((args, original(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(distill_module, "training_examples", spy)
+    report = distill(*pair, PROMPTS, tmp_path / "out", **QUICK, cut_share=1.0)
+    assert report["settings"]["cut_share"] == 1.0
+    (args, cut), = calls
+    tokenizer, records, max_length = args[:3]
+    plain = original(tokenizer, records, max_length)
+    # most toy continuations (12 tokens of a random target) have no target boundary inside a draft token: 37 of
+    # 197 are cut
+    assert len(cut) == len(plain) and sum(a != b for a, b in zip(cut, plain, strict=True)) >= 10
+    with pytest.raises(XTokSpecError, match="cut_share must be between 0 and 1"):
+        distill(*pair, PROMPTS, tmp_path / "other", **QUICK, cut_share=1.5)
+
+
 def test_token_level_loss_trains_where_the_vocabularies_meet(pair, tmp_path):
     report = distill(*pair, PROMPTS, tmp_path / "out", **{**QUICK, "max_steps": 20, "learning_rate": 1e-2},
                      token_loss=1.0, token_top_k=8)
