@@ -30,6 +30,13 @@ def load_real(name: str, dtype):
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def acceptance_counts(runs, system: str, mode: str | None = None) -> dict[int, tuple[int, int]]:
+    """prompt -> (accepted proposals, accepted + rejections) of one system's runs (in one mode, where given): the
+    per-token acceptance's hits and positions, for `pooled_gain`."""
+    return {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"]) for r in runs
+            if r.system == system and (mode is None or r.mode == mode)}
+
+
 def pooled_gain(before: dict, after: dict) -> dict:
     """Per-token acceptance pooled over prompts, before and after, from {prompt: (accepted, positions)} of the
     same prompts -> both shares, the gain, and its 95% bootstrap interval over prompts (paired)."""

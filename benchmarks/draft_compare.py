@@ -24,19 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, pooled_gain, save_report
+from common import acceptance_counts, cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
 from xtokspec import SpecConfig, XTokSpec
 from xtokspec.bench import REAL_PROMPTS
 from xtokspec.models import load
 from xtokspec.report import Run, write_report
-
-
-def counts(runs: list[Run], system: str) -> dict[int, tuple[int, int]]:
-    """prompt -> (accepted proposals, accepted + rejections): the per-token acceptance's numerator and positions."""
-    return {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"]) for r in runs
-            if r.system == system}
 
 
 def main() -> None:
@@ -138,7 +132,7 @@ def report(out: Path, meta: dict, runs: list[Run], outputs: dict, names: list[st
     for name in names:
         if name == "target":
             continue
-        gain = pooled_gain(counts(runs, base), counts(runs, name))
+        gain = pooled_gain(acceptance_counts(runs, base), acceptance_counts(runs, name))
         lo, hi = gain["gain_ci95"]
         equal = sum(outputs[name, k] == outputs["target", k] for k in prompts)
         rows.append({"system": name, **gain, "equal": equal})

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import cpu_name, pooled_gain, save_report
+from common import acceptance_counts, cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
 from xtokspec.bench import REAL_PROMPTS, load_preset, run_benchmark
@@ -27,19 +27,13 @@ from xtokspec.report import Run, heal_pairs, write_report
 SYSTEMS = {"greedy": "xtokspec-bridged-gemma", "T=0.7": "xtokspec-bridged-gemma-onehot"}
 
 
-def counts(runs, mode: str, system: str) -> dict[int, tuple[int, int]]:
-    """prompt -> (accepted proposals, accepted + rejections): the per-token acceptance's hits and positions."""
-    return {r.prompt: (r.stats["accepted"], r.stats["accepted"] + r.stats["rejections"]) for r in runs
-            if r.mode == mode and r.system == system}
-
-
 def acceptance_gains(runs) -> list[dict]:
     """Per mode and healed/unhealed pair: pooled per-token acceptance of each, the gain, its paired interval."""
     out = []
     for mode in dict.fromkeys(r.mode for r in runs):
         names = sorted({r.system for r in runs if r.mode == mode})
         for healed, unhealed in heal_pairs(names):
-            gain = pooled_gain(counts(runs, mode, unhealed), counts(runs, mode, healed))
+            gain = pooled_gain(acceptance_counts(runs, unhealed, mode), acceptance_counts(runs, healed, mode))
             out.append({"mode": mode, "healed": healed, "unhealed": unhealed, **gain})
     return out
 

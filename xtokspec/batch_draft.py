@@ -14,8 +14,7 @@ from .kv import dynamic_cache, to_device
 
 def prefill_tail(state: ModelState) -> None:
     """Feed all of the state's uncached ids but the last (whose logits drafting needs), without logits."""
-    if state.cached >= len(state.ids):  # all cached (after a rollback): the last one is fed again
-        state._rollback(len(state.ids) - 1)
+    state.uncache_last(1)  # all cached (after a rollback): the last one is fed again
     new = state.ids[state.cached : -1]
     if new:
         state._forward(state.model, to_device([new], state.device), logits_to_keep=1)

@@ -92,12 +92,16 @@ class ModelState:
         the room kept for tree nodes."""
         return self.kv.capacity - self.tree_nodes
 
+    def uncache_last(self, n: int) -> None:
+        """Roll the cache back, where it covers any of the last n ids, so that the next forward feeds them (and
+        returns their logits)."""
+        if len(self.ids) - self.cached < n:
+            self._rollback(len(self.ids) - n)
+
     def forward(self, keep: int) -> torch.Tensor:
         """Feed ids[cached:] and return the logits (keep, V) of the last `keep` of them."""
+        self.uncache_last(1)  # all ids cached (e.g. after a rollback): the last one is fed again
         cached = self.cached
-        if cached >= len(self.ids):  # all ids cached (e.g. after a rollback): recompute the last one
-            self._rollback(len(self.ids) - 1)
-            cached = self.cached
         new = self.ids[cached:]
         if not 1 <= keep <= len(new):
             raise RuntimeError(f"forward over {len(new)} new ids cannot keep {keep} logits")
@@ -115,8 +119,7 @@ class ModelState:
     def forward_last(self, n: int) -> torch.Tensor:
         """`forward` keeping the logits (n, V) of the last n ids, their cache positions fed again where they are
         cached already (a rollback of at most n - 1 positions)."""
-        if len(self.ids) - self.cached < n:
-            self._rollback(len(self.ids) - n)
+        self.uncache_last(n)
         return self.forward(keep=n)
 
     def _bucket(self, length: int, start: int | None = None, end: int | None = None) -> int | None:
@@ -233,8 +236,7 @@ class ModelState:
 
         With a compiled step, the forward is padded to a bucket and captured like a chain's (the padding's
         positions are rolled back). Until `keep_path`, the cache holds the nodes too."""
-        if self.cached >= len(self.ids):
-            self._rollback(len(self.ids) - 1)
+        self.uncache_last(1)
         new = self.ids[self.cached :]
         self._open_tree(self.cached + len(new))
         return self._tree_forward(new, tokens[1:], parents[1:])

@@ -139,8 +139,7 @@ class RequestDraft:
         candidate = self.mapper.heal_candidate(state)
         if candidate is None or len(state.ids) < 3:
             return None
-        if len(state.ids) - state.cached < 2:
-            state._rollback(len(state.ids) - 2)
+        state.uncache_last(2)
         return candidate
 
     def propose(self, k: int, room: int, laps: Laps) -> list[int]:
