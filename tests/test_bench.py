@@ -169,7 +169,7 @@ def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeyp
     prompt = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()[0]
     runs = run_benchmark(models, ["greedy"], [prompt], 8, progress=False, tree_widths=(2,), compile=True,
                          only=("xtokspec-same", "xtokspec-bridged", "xtokspec-bridged-tree2"))
-    ours = [r for r in runs if r.system != "target"]
+    ours = [r for r in runs if not r.system.startswith("target")]
     assert {r.system for r in ours} == {"xtokspec-same", "xtokspec-bridged", "xtokspec-bridged-tree2"}
     assert all(r.stats["cache"] == "static/static+compile" for r in ours)
     assert all(r.new_tokens == 8 for r in ours)
@@ -201,6 +201,38 @@ def test_bench_default_is_the_default_configuration_eager_on_a_cpu(monkeypatch):
                         (["--compile", "graphs"], "graphs")):
         got = parser.parse_args(["bench", *argv]).compile
         assert got == value and type(got) is type(value), (argv, got)
+
+
+def test_captured_systems_run_beside_transformers_static_cache_target(monkeypatch):
+    """Where xtokspec captures its steps, `target-static` (the target alone through transformers' generate on one
+    static cache size for every prompt, which transformers compiles on a GPU) runs beside them, its greedy text
+    the eager target's; each xtokspec run's target calls are its own count (CUDA graph replays bypass forward
+    hooks). On a CPU without --compile there is no target-static."""
+    import torch
+
+    from xtokspec.bench import load_preset, run_benchmark
+    from xtokspec.report import comparisons
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    models = load_preset("fixtures", torch.float32)
+    prompts = (fixtures_dir() / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()[:2]
+    texts = {}
+    real_generate = type(models.target[0]).generate
+
+    def generate(self, *args, **kwargs):  # the token ids each transformers run returns, per cache kind
+        out = real_generate(self, *args, **kwargs)
+        texts.setdefault(kwargs.get("cache_implementation", "dynamic"), []).append(out[0].tolist())
+        return out
+
+    monkeypatch.setattr(type(models.target[0]), "generate", generate)
+    runs = run_benchmark(models, ["greedy"], prompts, 8, progress=False, compile=True, only=("xtokspec-bridged",))
+    assert {r.system for r in runs} == {"target", "target-static", "xtokspec-bridged"}
+    assert texts["static"] == texts["dynamic"] and len(texts["static"]) == 3  # the warm-up call, then two prompts
+    assert all(r.target_calls == r.stats["target_forwards"] for r in runs if r.stats)
+    assert {(c["a"], c["b"]) for c in comparisons(runs)} == {("xtokspec-bridged", "target-static"),
+                                                            ("target-static", "target")}
+    eager = run_benchmark(models, ["greedy"], prompts[:1], 4, progress=False, only=("xtokspec-bridged",))
+    assert {r.system for r in eager} == {"target", "xtokspec-bridged"}
 
 
 def test_systems_that_do_not_run_are_refused_before_anything_is_timed(tmp_path, capsys):

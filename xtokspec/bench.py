@@ -136,7 +136,7 @@ def sampling_kwargs(mode: str) -> dict:
 
 def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_fixed, spec_extra=None,
                   spec_static=None, tree_widths=(), spec_tree_all=None, spec_trim=None, spec_tree_top=None,
-                  spec_always=None, spec_unhealed=None) -> dict:
+                  spec_always=None, spec_unhealed=None, static_target_len: int = 0) -> dict:
     """name -> callable(prompt, max_new_tokens, seed) -> (new ids, xtokspec stats or None). `spec_tree_all`
     (SpecConfig(prune_tree=False)) adds a `-tree{m}-all` system beside each tree: every drafted node verified.
     `spec_tree_top` (SpecConfig(tree_root="top")) adds a `-tree{m}-top` system beside each sampled tree: the
@@ -147,15 +147,18 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
     xtokspec chain and tree that never runs the target alone: the drafting systems as they were before the
     fallback, paired against the default.
     `spec_unhealed` (SpecConfig(draft_healing=False)) adds an `-unhealed` twin of the bridged greedy chain and the
-    one-hot sampler, the kinds that heal (with `spec_always`, its `-always` twin too: spec_always["unhealed"])."""
+    one-hot sampler, the kinds that heal (with `spec_always`, its `-always` twin too: spec_always["unhealed"]).
+    `static_target_len` > 0 adds `target-static`: the target alone through transformers' `generate` on a static
+    cache of that many positions (the same for every prompt), which transformers compiles on a GPU (torch.compile,
+    CUDA graphs): the target alone as fast as transformers runs it, beside xtokspec's captured steps."""
     t_model, t_tok = models.target
     kw = sampling_kwargs(mode)
 
-    def hf(assistant=None, universal=False):
+    def hf(assistant=None, universal=False, static=False):
         def run(prompt, n, seed):
             torch.manual_seed(seed)
             inputs = t_tok(prompt, return_tensors="pt").to(t_model.device)
-            extra = {}
+            extra = {"cache_implementation": "static", "max_cache_len": static_target_len} if static else {}
             if assistant is not None:
                 extra["assistant_model"] = assistant[0]
                 if universal:
@@ -173,6 +176,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
         return run
 
     systems = {"target": hf()}
+    if static_target_len:
+        systems["target-static"] = hf(static=True)
 
     def add_trees():  # NOTE: called where the chains of each mode are, which keeps the systems' order
         for width in tree_widths:
@@ -221,7 +226,7 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
     if spec_always:  # the twins of the chains and trees above (not of -fixed-k, -static, -all, -top, -trim)
         for name, fn in list(systems.items()):
             role = "same" if name.startswith("xtokspec-same") else "unhealed" if name.endswith("-unhealed") else "cross"
-            if (getattr(fn, "spec", None) in (spec_same, spec_cross, spec_unhealed)
+            if (hasattr(fn, "spec") and fn.spec in (spec_same, spec_cross, spec_unhealed)
                     and not name.endswith(("-fixed-k", "-static")) and spec_always.get(role)):
                 systems[name + "-always"] = ours(spec_always[role], **fn.extra)
     return systems
@@ -232,7 +237,8 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                   tree_unpruned: bool = False, draft_vocab: int = 0, calibration: list[str] | None = None,
                   compile: bool | str = "auto", tree_top: bool = False, always_draft: bool = False,
                   unhealed: bool = False) -> list[Run]:
-    """Every system on every prompt and mode (only the systems named in `only`, when given; "target" always).
+    """Every system on every prompt and mode (only the systems named in `only`, when given; the target alone,
+    "target" and where it runs "target-static", always).
     `draft_vocab` > 0 adds the `-trim` systems: the bridged draft's head trimmed to that many ids, chosen from
     `calibration` (default: `calibration_texts()`). `compile`: every xtokspec system's SpecConfig.compile (the
     default, "auto": CUDA graphs on a GPU, eager on a CPU); where that captures steps (static caches, so no separate
@@ -280,17 +286,22 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
         if pair:
             handles.append(pair[0].register_forward_hook(counters["draft"].hook, with_kwargs=True))
     runs: list[Run] = []
+    # where xtokspec captures its steps, transformers' own compiled target alone runs beside them (target-static),
+    # on one cache size for every prompt, so that it compiles once
+    static_len = max(len(models.target[1](p)["input_ids"]) for p in prompts) + max_new_tokens + 8 if captured else 0
     every = {m: build_systems(models, m, spec_same, spec_cross, spec_fixed, spec_extra, spec_static, tree_widths,
-                              spec_tree_all, spec_trim, spec_tree_top, spec_always, spec_unhealed) for m in modes}
+                              spec_tree_all, spec_trim, spec_tree_top, spec_always, spec_unhealed, static_len)
+             for m in modes}
     known = set().union(*every.values())
     if set(only) - known:
         raise XTokSpecError(f"--systems: no system named {sorted(set(only) - known)}; this preset has {sorted(known)}")
-    chosen = {m: {name: fn for name, fn in systems.items() if not only or name in only or name == "target"}
+    baselines = {"target", "target-static"}  # the target alone: always run
+    chosen = {m: {name: fn for name, fn in systems.items() if not only or name in only or name in baselines}
               for m, systems in every.items()}
     for m, systems in chosen.items():  # e.g. greedy's "xtokspec-bridged" asked for at T=0.7, where it has a proposal
-        if only and set(systems) == {"target"}:
+        if only and set(systems) <= baselines:
             raise XTokSpecError(f"--systems: none of {sorted(only)} runs in mode {m}, so it would time the target "
-                                f"alone; that mode has {sorted(set(every[m]) - {'target'})}")
+                                f"alone; that mode has {sorted(set(every[m]) - baselines)}")
     if captured:  # every shape of every chosen xtokspec system now, so that no timed run stops to capture
         longest = max(prompts, key=len)
         shapes = {(id(fn.spec), fn.tree_width): fn for systems in chosen.values() for fn in systems.values()
@@ -313,7 +324,9 @@ def run_benchmark(models: Models, modes: list[str], prompts: list[str], max_new_
                     start = time.perf_counter()
                     ids, stats = fn(prompt, max_new_tokens, 1000 + p_index)
                     seconds = time.perf_counter() - start
-                    runs.append(Run(name, mode, p_index, seconds, len(ids), counters["target"].calls,
+                    # NOTE: xtokspec's own count of target calls: hooks do not see a captured step's replays
+                    target_calls = stats.target_forwards if stats else counters["target"].calls
+                    runs.append(Run(name, mode, p_index, seconds, len(ids), target_calls,
                                     counters["draft"].calls, stats.as_dict() if stats else {},
                                     bool(ids) and ids[-1] in target_eos))
                     bar.set_postfix_str(f"{mode} {name}")

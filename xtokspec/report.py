@@ -196,11 +196,19 @@ def heal_pairs(names) -> list[tuple[str, str]]:
     return [(name.replace("-unhealed", ""), name) for name in names if "-unhealed" in name]
 
 
+def static_target_pairs(names) -> list[tuple[str, str]]:
+    """Each system against `target-static` (transformers' compiled target alone), where that ran: on a GPU the
+    "speedup" column's eager target is not the fastest way to run the target alone."""
+    if "target-static" not in names:
+        return []
+    return [(name, "target-static") for name in names if name.startswith("xtokspec-")] + [("target-static", "target")]
+
+
 def comparisons(runs: list[Run]) -> list[dict]:
     out = []
     names = sorted({r.system for r in runs})
     for mode in dict.fromkeys(r.mode for r in runs):
-        for a, b in PAIRS + tree_pairs(names) + trim_pairs(names) + heal_pairs(names):
+        for a, b in PAIRS + tree_pairs(names) + trim_pairs(names) + heal_pairs(names) + static_target_pairs(names):
             result = paired(runs, mode, a, b)
             if result:
                 out.append(result)
