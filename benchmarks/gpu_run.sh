@@ -26,6 +26,8 @@
 #                                  # preset healed against unhealed (greedy and T=0.7)
 #   bash benchmarks/gpu_run.sh 21  # healing's host transfers: their CUDA test; the loop per cycle healed and not (13B shapes)
 #   bash benchmarks/gpu_run.sh 22  # the same loops in both orders (which of the two runs first)
+#   bash benchmarks/gpu_run.sh 23  # the fixture preset against transformers' compiled target alone; the eager loop at
+#                                  # the 13B shapes with the bridged draft first
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -205,6 +207,16 @@ case "${1:-1}" in
   step 90 loopg-healing-u python3 benchmarks/gpu_loop.py --compile graphs --drafts bridged --unhealed \
     --unhealed-first --out "$OUT/loopg-healing-u"
   step 120 loop-healing-h python3 benchmarks/gpu_loop.py --drafts bridged --unhealed --out "$OUT/loop-healing-h"
+  ;;
+23)  # the fixture preset (xtokspec's default configuration: CUDA graphs; with the fallback and drafting every
+     # cycle) against the target alone both ways: transformers' eager generate ("target") and its static cache, which
+     # transformers compiles with CUDA graphs ("target-static"); then part 18's eager loop at the 13B shapes with the
+     # bridged draft first (part 18 ran the same-tokenizer draft first, and the first system may pay for the GPU's
+     # warming up)
+  step 330 fixtures-static xtokspec bench --preset fixtures --device cuda --prompts 12 --max-new-tokens 64 \
+    --modes greedy T=0.7 --tree-widths --always-draft --no-progress --systems xtokspec-same xtokspec-bridged \
+    xtokspec-bridged-always xtokspec-bridged-onehot xtokspec-bridged-onehot-always --out "$OUT/fixtures-static"
+  step 200 loop-bridged-first python3 benchmarks/gpu_loop.py --drafts bridged same --out "$OUT/loop-bridged-first"
   ;;
 esac
 # one archive: the device returns at most 8 files
