@@ -35,6 +35,10 @@ def main() -> None:
     parser.add_argument("--weights", type=float, nargs="+", default=[0.0, 1.0], help="token-loss weights")
     parser.add_argument("--cut-shares", type=float, nargs="+", default=[0.0],
                         help="shares of the sequences cut at a target token boundary inside a draft token")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=[DistillSettings.learning_rate],
+                        help="peak learning rates (one arm each; an arm at another than the default is named +lrX)")
+    parser.add_argument("--freeze-embeddings", action="store_true",
+                        help="DistillSettings(freeze_embeddings=True): arms named +frozen-embeddings")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=128)
@@ -47,10 +51,14 @@ def main() -> None:
                     small_kwargs={"dtype": torch.bfloat16})
     target_to_draft = target_to_draft_ids(spec.vocab_maps.token_map)
     summaries = {}
-    for weight, cut_share in [(w, c) for w in args.weights for c in args.cut_shares]:
-        name = ("sequence+token-level" if weight else "sequence-level") + (f"+cuts{cut_share:g}" if cut_share else "")
+    arms = [(w, c, lr) for w in args.weights for c in args.cut_shares for lr in args.learning_rates]
+    for weight, cut_share, lr in arms:
+        name = (("sequence+token-level" if weight else "sequence-level") + (f"+cuts{cut_share:g}" if cut_share else "")
+                + (f"+lr{lr:g}" if lr != DistillSettings.learning_rate else "")
+                + ("+frozen-embeddings" if args.freeze_embeddings else ""))
         settings = DistillSettings(max_steps=args.steps, batch_size=args.batch_size, max_length=args.max_length,
-                                   token_loss=weight, cut_share=cut_share, seed=0)
+                                   token_loss=weight, cut_share=cut_share, learning_rate=lr,
+                                   freeze_embeddings=args.freeze_embeddings, seed=0)
         examples = training_examples(spec.draft_tokenizer, records, args.max_length, spec.draft,
                                      target_to_draft if weight else None, spec.target, cut_share, seed=0)
         torch.manual_seed(0)
@@ -61,10 +69,12 @@ def main() -> None:
         summary["wall_seconds"] = time.perf_counter() - start
         student.to(torch.bfloat16).save_pretrained(args.out / name)
         spec.draft_tokenizer.save_pretrained(args.out / name)
-        summaries[name] = {"token_loss": weight, "cut_share": cut_share, **summary}
+        summaries[name] = {"token_loss": weight, "cut_share": cut_share, "learning_rate": lr, **summary}
         print(f"{name}: {summary['steps']} steps, {summary['wall_seconds']:.0f} s, loss "
               f"{summary['first_logged_loss']:.2f} -> {summary['last_logged_loss']:.2f}", flush=True)
-    suffix = "" if args.weights == [0.0, 1.0] and args.cut_shares == [0.0] else "-" + "-".join(summaries)
+    default = (args.weights == [0.0, 1.0] and args.cut_shares == [0.0] and not args.freeze_embeddings
+               and args.learning_rates == [DistillSettings.learning_rate])
+    suffix = "" if default else "-" + "-".join(summaries)
     (args.out / f"training{suffix}.json").write_text(json.dumps(summaries, indent=1), encoding="utf-8")
 
 

@@ -193,6 +193,25 @@ def test_lora_trains_adapters_and_saves_a_plain_model(pair, tmp_path):
     XTokSpec(pair[0], str(out)).generate(PROMPTS[0], max_new_tokens=4)
 
 
+def test_frozen_embeddings_stay_as_they_were_and_the_rest_trains(pair, tmp_path):
+    """freeze_embeddings: the saved draft's input embeddings are the original ones, bit for bit; its other weights
+    (the untied output head, the layers) moved, and the report counts only those as trained."""
+    from transformers import AutoModelForCausalLM
+
+    draft_model = pair[1][0]
+    before = {name: tensor.detach().clone() for name, tensor in draft_model.state_dict().items()}
+    out = tmp_path / "out"
+    report = distill(*pair, PROMPTS, out, freeze_embeddings=True, learning_rate=1e-2, **QUICK)
+    after = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    embeddings = "gpt_neox.embed_in.weight"
+    assert after.keys() == before.keys()
+    assert torch.equal(after[embeddings], before[embeddings])
+    moved = [name for name in after if not torch.equal(after[name], before[name])]
+    assert "lm_head.weight" in moved and len(moved) > 10
+    total = sum(p.numel() for p in draft_model.parameters())
+    assert report["training"]["trained_parameters"] == total - before[embeddings].numel()
+
+
 def test_an_interrupted_run_resumes_without_generating_again(pair, tmp_path, monkeypatch):
     out = tmp_path / "out"
     real_train = distill_module.train_draft

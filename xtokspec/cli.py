@@ -212,8 +212,8 @@ def _distill(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens, modes=tuple(args.modes), max_prompts=args.max_prompts,
             prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
-            lora_rank=args.lora_rank, token_loss=args.token_loss, token_top_k=args.token_top_k,
-            cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count,
+            lora_rank=args.lora_rank, freeze_embeddings=args.freeze_embeddings, token_loss=args.token_loss,
+            token_top_k=args.token_top_k, cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count,
             eval_new_tokens=args.eval_new_tokens, eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
         )
     except KeyboardInterrupt:
@@ -281,6 +281,9 @@ def _add_distill_parser(sub) -> None:
     dis.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) and merge them into "
                      "the saved draft, instead of training every weight")
     dis.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank (with --lora)")
+    dis.add_argument("--freeze-embeddings", action="store_true",
+                     help="train every weight but the input embeddings (and an output head tied to them): faster "
+                     "steps where the vocabulary is most of the draft")
     dis.add_argument("--token-loss", type=float, default=d.token_loss, metavar="WEIGHT",
                      help="add a token-level cross-tokenizer loss with this weight: at each continuation position "
                      "where both tokenizations start a token at the same byte, cross-entropy of the draft's next "

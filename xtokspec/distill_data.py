@@ -40,6 +40,9 @@ class DistillSettings:
     max_length: int = 256  # draft tokens per training sequence (longer ones are cut)
     lora: bool = False  # train LoRA adapters (peft) and merge them, instead of every weight
     lora_rank: int = 16
+    # train every weight but the input embeddings (and an output head tied to them): for a draft whose vocabulary
+    # is most of its weights (Gemma-3-270M: 168M of 268M), steps cost a quarter less for the same agreement
+    freeze_embeddings: bool = False
     token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
     token_top_k: int = 16  # target probabilities kept per position for it
     cut_share: float = 0.0  # share of the training sequences cut at a target token boundary (training_examples)

@@ -218,6 +218,8 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
     Trainer, TrainerCallback, TrainingArguments = _require_trainer()
     from torch.utils.data import Dataset
 
+    if settings.freeze_embeddings and not settings.lora:  # NOTE: LoRA freezes them anyway
+        model.get_input_embeddings().weight.requires_grad_(False)
     if settings.lora:
         peft = _require_peft()
         config = peft.LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, lora_dropout=0.0,
@@ -285,6 +287,8 @@ def train_draft(model, tokenizer, examples: list[dict], settings: DistillSetting
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {"steps": trainer.state.global_step, "max_steps": settings.max_steps, "seconds": time.perf_counter() - start,
                "stopped_by_time": Budget.stopped_early, "resumed_from": last, "bf16": bf16, "lora": settings.lora,
+               "freeze_embeddings": settings.freeze_embeddings,
+               "trained_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
                "rows": len(rows), "distilled_rows": len(examples), "extra_rows": len(extra_examples),
                "first_logged_loss": losses[0] if losses else None, "last_logged_loss": losses[-1] if losses else None,
                "train_loss": result.training_loss, "token_loss_weight": settings.token_loss,
