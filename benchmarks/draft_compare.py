@@ -12,7 +12,8 @@ acceptance and its gain over the first draft unhealed, with a 95% bootstrap inte
 
 On two cores, one process per core over half the prompts each (`--shard 0/2`, `--shard 1/2`, each its own --out),
 then one report over both: `python benchmarks/draft_compare.py --merge DIR0 DIR1 --out DIR`. Speed ratios stay
-paired per prompt (each prompt's systems run in one process).
+paired per prompt (each prompt's systems run in one process). `--margins --target T --out DIR` then gives the
+target's logit margin wherever a greedy output departs from the target's own (DIR/margins.json).
 """
 
 from __future__ import annotations
@@ -44,10 +45,18 @@ def main() -> None:
     parser.add_argument("--shard", default="0/1", metavar="I/N", help="only the prompts whose index is I modulo N")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="no run: one report over these shards' results (each written with --shard)")
+    parser.add_argument("--margins", action="store_true",
+                        help="no run: where each system's greedy output in OUT/outputs.json first differs from the "
+                             "target's `generate`, the target's logit margin between the two tokens there "
+                             "(OUT/margins.json; needs --target)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.merge:
         return merge([Path(d) for d in args.merge], Path(args.out))
+    if args.margins:
+        if not args.target:
+            parser.error("--margins needs --target")
+        return margins(Path(args.target).expanduser(), Path(args.out), REAL_PROMPTS + held_out_prompts(0, args.heldout))
     if not args.target or not args.draft:
         parser.error("--target and at least one --draft are needed (or --merge)")
     shard, shards = (int(x) for x in args.shard.split("/"))
@@ -113,6 +122,36 @@ def merge(dirs: list[Path], out: Path) -> None:
     drafts = [item.partition("=")[0] for item in meta["drafts"]]
     report(out, meta, runs, outputs, ["target"] + [f"xtokspec-{name}{suffix}" for name in drafts
                                                    for suffix in ("", "-unhealed")])
+
+
+def margins(target_path: Path, out: Path, prompts: list[str]) -> None:
+    """Each xtokspec system's first departure from the target's greedy output (`first_difference`: one plain forward
+    over the prompt and the common prefix), with the near-tie bound of tests/test_greedy.py (two bf16 steps of the
+    target's logit there). A margin past the bound would be a bug, not a floating-point near-tie."""
+    from xtokspec.distill_eval import first_difference
+
+    outputs = json.loads((out / "outputs.json").read_text())
+    model, tokenizer = load(str(target_path), "target", dtype=torch.bfloat16)
+    rows = []
+    for name, by_prompt in outputs.items():
+        if name == "target":
+            continue
+        for key, got in by_prompt.items():
+            prompt_ids = tokenizer(prompts[int(key)])["input_ids"]
+            want = outputs["target"][key]
+            with torch.inference_mode():
+                diff = first_difference(model, prompt_ids, want, got)
+            row = {"system": name, "prompt": int(key), "equal": diff is None and len(got) == len(want)}
+            if diff:
+                with torch.inference_mode():
+                    logits = model(torch.tensor([prompt_ids + want[: diff["token"]]])).logits[0, -1].float()
+                row.update(diff, bound=2 * torch.finfo(torch.bfloat16).eps * max(abs(float(logits[diff["target"]])), 1.0))
+            rows.append(row)
+    past = [r for r in rows if "margin" in r and abs(r["margin"]) > r["bound"]]
+    (out / "margins.json").write_text(json.dumps({"cpu": cpu_name(), "rows": rows, "past_the_bound": past}, indent=1))
+    differ = [r for r in rows if "margin" in r]
+    print(f"{len(differ)} of {len(rows)} outputs differ from the target's; margins "
+          f"{sorted({round(r['margin'], 4) for r in differ})}; past the near-tie bound: {len(past)}")
 
 
 def report(out: Path, meta: dict, runs: list[Run], outputs: dict, names: list[str]) -> None:
