@@ -78,6 +78,7 @@ def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
     the common prefix), against 2 bf16 steps of the logit (tests/test_greedy.py's near-tie bound)."""
     from xtokspec import SpecConfig, XTokSpec
     from xtokspec.bench import real_model_dir
+    from xtokspec.distill_eval import first_difference
     from xtokspec.models import load
 
     target = load(str(real_model_dir("qwen2.5-coder-1.5b")), "target", dtype=torch.bfloat16)
@@ -91,13 +92,12 @@ def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
         with torch.inference_mode():
             want = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
         got = spec.generate(prompt, max_new_tokens=new_tokens).token_ids
-        j = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-        row = {"prompt": prompt, "equal": got == want, "first_difference": j}
-        if j is not None:
-            with torch.inference_mode():
-                logits = model(torch.tensor([ids + want[:j]])).logits[0, -1].float()
-            row["margin"] = float(logits[want[j]] - logits[got[j]])
-            row["bound"] = 2 * torch.finfo(torch.bfloat16).eps * max(abs(float(logits[want[j]])), 1.0)
+        with torch.inference_mode():
+            diff = first_difference(model, ids, want, got)
+        row = {"prompt": prompt, "equal": got == want, "first_difference": diff and diff["token"]}
+        if diff:
+            row["margin"] = diff["margin"]
+            row["bound"] = 2 * torch.finfo(torch.bfloat16).eps * max(abs(diff["logit"]), 1.0)
         rows.append(row)
         print(row, flush=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -415,6 +415,7 @@ def test_first_difference_reports_where_and_by_what_margin_an_output_departs(pai
     found = first_difference(model, prompt_ids, reference, got)
     assert found["token"] == 3 and found["target"] == reference[3] and found["got"] == other
     assert found["margin"] == pytest.approx(float(logits[reference[3]] - logits[other]), abs=1e-4)
+    assert found["logit"] == pytest.approx(float(logits[reference[3]]), abs=1e-4)
     assert found["margin"] >= 0  # greedy: the target's own choice is its argmax
     assert first_difference(model, prompt_ids, reference, reference[:4]) is None  # a prefix agrees
 

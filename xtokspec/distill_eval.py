@@ -20,16 +20,16 @@ from .types import SpecConfig, XTokSpecError
 @torch.inference_mode()
 def first_difference(model, prompt_ids: list[int], reference: list[int], got: list[int]) -> dict | None:
     """Where greedy output `got` first departs from the target's own `reference` (both after `prompt_ids`):
-    {"token": its index, "target": the target's id, "got": the other id, "margin": the target's logit of its own
-    id minus that of the other, from one forward of the prompt and the common prefix}, or None where they agree
-    (one a prefix of the other). A margin of a bfloat16 step or less is a floating-point near-tie; a large one is
+    {"token": its index, "target": the target's id, "got": the other id, "logit": the target's logit of its own
+    id, "margin": that minus the other id's, from one forward of the prompt and the common prefix}, or None where
+    they agree (one a prefix of the other). A margin of a bfloat16 step or less is a floating-point near-tie; a large one is
     a bug."""
     k = next((i for i, (a, b) in enumerate(zip(reference, got, strict=False)) if a != b), None)
     if k is None:
         return None
     ids = torch.tensor([list(prompt_ids) + list(reference[:k])], device=input_device(model))
     logits = model(input_ids=ids).logits[0, -1].float()
-    return {"token": k, "target": reference[k], "got": got[k],
+    return {"token": k, "target": reference[k], "got": got[k], "logit": float(logits[reference[k]]),
             "margin": float(logits[reference[k]] - logits[got[k]])}
 
 
