@@ -268,13 +268,14 @@ def test_cli_distills_model_folders(pair, tmp_path, capsys):
     args = ["distill", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--prompts", str(prompts),
             "--out", str(tmp_path / "out"), "--new-tokens", "8", "--max-steps", "3", "--batch-size", "4",
             "--eval-count", "2", "--agreement-count", "4", "--eval-new-tokens", "6", "--modes", "greedy", "sampled",
-            "--no-progress"]
+            "--lr", "3e-5", "--no-progress"]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "72 continuations, 3 steps" in err and "greedy per-token acceptance on 2 held-out prompts" in err
     assert "teacher-forced agreement with the target's greedy text on 4 held-out prompts" in err
     report = json.loads((tmp_path / "out" / REPORT_FILE).read_text(encoding="utf-8"))
     assert report["data"]["per_mode"] == {"greedy": 36, "sampled": 36}
+    assert report["settings"]["learning_rate"] == 3e-5 and report["settings"]["max_steps"] == 3  # options reach it
     assert report["evaluation"]["prompts"] == 2 and report["evaluation"]["agreement"]["prompts"] == 4
     assert main(args) == 2
     assert "exists: choose another output folder, or pass overwrite=True (--overwrite)" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -201,20 +202,16 @@ def _prompt_chars(text: str) -> tuple[int, int]:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from .distill import distill, summary_lines
+    from .distill import DistillSettings, distill, summary_lines
 
     _show_library_log()
+    # NOTE: every DistillSettings field is the destination of one option (--lr: learning_rate)
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillSettings)} | {"modes": tuple(args.modes)}
     try:
         report = distill(
             args.target, args.draft, args.prompts, args.out, eval_prompts=args.eval_prompts,
             max_seconds=args.max_seconds, overwrite=args.overwrite, resume=args.resume,
-            target_device=args.target_device, draft_device=args.draft_device, progress=not args.no_progress,
-            new_tokens=args.new_tokens, modes=tuple(args.modes), max_prompts=args.max_prompts,
-            prompt_chars=args.prompt_chars, gen_batch=args.gen_batch, max_steps=args.max_steps,
-            batch_size=args.batch_size, learning_rate=args.lr, max_length=args.max_length, lora=args.lora,
-            lora_rank=args.lora_rank, freeze_embeddings=args.freeze_embeddings, token_loss=args.token_loss,
-            token_top_k=args.token_top_k, cut_share=args.cut_share, eval_count=args.eval_count, agreement_count=args.agreement_count,
-            eval_new_tokens=args.eval_new_tokens, eval_temperature=args.eval_temperature, seed=args.seed, dtype=args.dtype, engine=args.engine,
+            target_device=args.target_device, draft_device=args.draft_device, progress=not args.no_progress, **settings,
         )
     except KeyboardInterrupt:
         print(f"xtokspec: interrupted; the data and the last checkpoint are in {args.out}.partial: run the same "
@@ -276,7 +273,8 @@ def _add_distill_parser(sub) -> None:
                      help="wall budget for data and training: generation stops starting batches past half of it, "
                      "training stops at it (evaluation comes on top)")
     dis.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per training step")
-    dis.add_argument("--lr", type=float, default=d.learning_rate, help="peak learning rate (warmup, cosine decay)")
+    dis.add_argument("--lr", dest="learning_rate", metavar="LR", type=float, default=d.learning_rate,
+                     help="peak learning rate (warmup, cosine decay)")
     dis.add_argument("--max-length", type=int, default=d.max_length, help="draft tokens per training sequence")
     dis.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) and merge them into "
                      "the saved draft, instead of training every weight")
