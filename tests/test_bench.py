@@ -93,6 +93,11 @@ def test_theoretical_speedup_matches_the_closed_form():
     stats["proposal_lengths"] = [1, 3, 1, 3]
     assert theoretical_speedup(stats, target_step=1.0) == pytest.approx(1.6875 / 0.5)
     assert theoretical_speedup({}, 1.0) is None
+    # half the cycles run the target alone: the bound stands; three in four: no bound from the one that drafted
+    stats["alone_cycles"] = 2
+    assert theoretical_speedup(stats, target_step=1.0) == pytest.approx(1.6875 / 0.5)
+    stats["alone_cycles"] = 3
+    assert theoretical_speedup(stats, target_step=1.0) is None
 
 
 def test_token_acceptance_is_the_per_token_alpha_not_the_accepted_share():
