@@ -24,7 +24,7 @@ from distill_agreement import held_out_prompts
 from xtokspec.bench import REAL_PROMPTS, load_preset, run_benchmark
 from xtokspec.report import Run, heal_pairs, write_report
 
-SYSTEMS = {"greedy": "xtokspec-bridged-gemma", "T=0.7": "xtokspec-bridged-gemma-onehot"}
+GREEDY = "xtokspec-bridged-gemma"  # sampled modes: GREEDY + "-" + the proposal kind (--sampled-proposal)
 
 
 def acceptance_gains(runs) -> list[dict]:
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--modes", nargs="+", default=["greedy", "T=0.7"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sampled-proposal", choices=("onehot", "auto"), default="onehot",
+                        help="the sampled modes' proposal kind: one-hot cycles heal, and auto's one-hot cycles do")
     parser.add_argument("--out", required=True)
     parser.add_argument("--report-only", action="store_true", help="the tables again from OUT/results.json's runs")
     parser.add_argument("--margins", action="store_true",
@@ -61,7 +63,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models = load_preset("real", torch.bfloat16)
     prompts = REAL_PROMPTS + held_out_prompts(0, args.heldout)
-    only = tuple(name + suffix for name in (SYSTEMS[m] for m in args.modes)
+    systems = [GREEDY if m == "greedy" else f"{GREEDY}-{args.sampled_proposal}" for m in args.modes]
+    only = tuple(name + suffix for name in systems
                  for suffix in ("", "-unhealed", "-always", "-unhealed-always"))
     runs = run_benchmark(models, args.modes, prompts, args.max_new_tokens, tree_widths=(), only=only,
                          always_draft=True, unhealed=True)

@@ -63,3 +63,37 @@ def test_fixed_kinds_report_their_cycles(bridged_spec):
     assert result.stats.proposal == "onehot" and set(result.stats.proposal_cycles) == {"onehot"}
     assert sum(result.stats.proposal_cycles.values()) == result.stats.target_forwards
     assert result.stats.proposal_estimates == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("healing", [True, False])
+def test_auto_heals_in_its_onehot_cycles_only(healing, ja_target, ja_draft_bpe, heldout_prompts):
+    """Token healing under proposal="auto": a one-hot cycle may restate the draft's last token with a longer one;
+    an intersection cycle never does (its proposals are single draft ids), and nothing heals with healing off.
+    At T=0.3 "auto" runs one-hot in some cycles on the fixture pair (the test above): v2.1 fixtures measure 46
+    one-hot cycles here, 10 of them healed."""
+    from xtokspec import SpecConfig, XTokSpec
+    from xtokspec.types import GenerationStats
+
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(cache="dynamic", fallback=False, draft_healing=healing))
+    healed_kinds: dict[str, int] = {}
+    observe = GenerationStats.observe
+
+    def record(self, cycle):
+        observe(self, cycle)
+        if cycle.healed:
+            healed_kinds[cycle.kind] = healed_kinds.get(cycle.kind, 0) + 1
+
+    onehot = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GenerationStats, "observe", record)
+        for seed, prompt in enumerate(heldout_prompts[40:46]):
+            stats = spec.generate(prompt, max_new_tokens=32, do_sample=True, temperature=0.3, seed=seed,
+                                  adaptive=False).stats
+            assert stats.healed_cycles <= stats.proposal_cycles.get("onehot", 0)
+            onehot += stats.proposal_cycles.get("onehot", 0)
+    assert onehot >= 10, f"only {onehot} one-hot cycles: the test hardly reaches healing"
+    if healing:
+        assert set(healed_kinds) == {"onehot"} and healed_kinds["onehot"] >= 2, healed_kinds
+    else:
+        assert healed_kinds == {}

@@ -643,12 +643,14 @@ def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_tar
 # token 0.24 of its mass on average here, against 0.04 on the B cases' "Linux 2.0" prompt, where the same flaw
 # went undetected at N=1000 (p=0.29); here it gives p=6.9e-10 (v2.1 fixtures). D's peeking control has no
 # power on this prompt (p=0.15 at N=1000), which is why D keeps its own. The test asserts that enough runs
-# reach a one-hot rejection after their first cycle, so it cannot quietly stop testing it.
+# reach a one-hot rejection after their first cycle, so it cannot quietly stop testing it, and that enough runs
+# heal the draft's last token in a one-hot cycle (token healing under "auto": one-hot cycles only).
 LONG_SETTING = "t1.0-k3"
 LONG_PROMPT = "has_journal ( -"
 LONG_LENGTH = 6
 LONG_RUNS = 400  # CI's budget
 MIN_LATER_ONEHOT_REJECTIONS = 0.3  # runs with a rejected one-hot proposal after their first cycle (measured 0.93)
+MIN_SWITCHING_HEALED = 0.3  # runs whose one-hot cycles healed the draft's last token (measured 0.55)
 
 
 class LaterOnehotCycles:
@@ -674,8 +676,9 @@ class LaterOnehotCycles:
 
 
 def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None, start=0):
-    """-> (continuations, share of runs whose cycles used both kinds, share with a later one-hot rejection)."""
-    samples, switched, reached = [], 0, 0
+    """-> (continuations, share of runs whose cycles used both kinds, share with a later one-hot rejection); the
+    share with a healed cycle goes to HEALED_RUNS."""
+    samples, switched, reached, healed = [], 0, 0, 0
     for seed in range(start, start + runs):
         hits = counter.hits if counter else 0
         if counter:
@@ -686,6 +689,8 @@ def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None, 
         samples.append(tuple(result.token_ids))
         switched += len(result.stats.proposal_cycles) == 2
         reached += bool(counter) and counter.hits > hits
+        healed += result.stats.healed_cycles > 0
+    HEALED_RUNS[LONG_PROMPT, "auto"] = healed / runs
     return samples, switched / runs, reached / runs
 
 
@@ -703,6 +708,8 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
         samples, switched, reached = sample_switching_long(bridged_spec, LONG_RUNS, counter)
     assert switched >= MIN_SWITCHED_SHARE, f"only {switched:.0%} of runs used both kinds"
     assert reached >= MIN_LATER_ONEHOT_REJECTIONS, f"only {reached:.0%} of runs rejected a later one-hot proposal"
+    healed = HEALED_RUNS[LONG_PROMPT, "auto"]
+    assert healed >= MIN_SWITCHING_HEALED, f"only {healed:.0%} of runs healed a one-hot cycle"
     result = reference.assert_samples_match(samples, exact, ALPHA, "switching kinds, longer runs")
     with monkeypatch.context() as patch:
         flawed = LaterOnehotCycles(flawed=True)
@@ -711,7 +718,8 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
             "longer later-onehot-residual", exact, "later one-hot residual",
             lambda start, n: sample_switching_long(bridged_spec, n, flawed, start)[0])
     print(f"switching kinds over longer runs (N={LONG_RUNS}, {LONG_LENGTH} tokens): p={result.pvalue:.3g}, "
-          f"switched share {switched:.2f}, later one-hot rejections in {reached:.2f} of runs; later one-hot "
+          f"switched share {switched:.2f}, later one-hot rejections in {reached:.2f} of runs, healed share "
+          f"{healed:.2f}; later one-hot "
           f"residual control p={control.pvalue:.3g} (N={control_runs})")
 
 

@@ -146,8 +146,9 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
     `spec_always` ({"same": ..., "cross": ...}, SpecConfig(fallback=False)) adds an `-always` twin of each
     xtokspec chain and tree that never runs the target alone: the drafting systems as they were before the
     fallback, paired against the default.
-    `spec_unhealed` (SpecConfig(draft_healing=False)) adds an `-unhealed` twin of the bridged greedy chain and the
-    one-hot sampler, the kinds that heal (with `spec_always`, its `-always` twin too: spec_always["unhealed"]).
+    `spec_unhealed` (SpecConfig(draft_healing=False)) adds an `-unhealed` twin of the bridged greedy chain, the
+    one-hot sampler and the auto one, the kinds that heal (with `spec_always`, its `-always` twin too:
+    spec_always["unhealed"]).
     `static_target_len` > 0 adds `target-static`: the target alone through transformers' `generate` on a static
     cache of that many positions (the same for every prompt), which transformers compiles on a GPU (torch.compile,
     CUDA graphs): the target alone as fast as transformers runs it, beside xtokspec's captured steps."""
@@ -207,6 +208,8 @@ def build_systems(models: Models, mode: str, spec_same, spec_cross, spec_cross_f
                 systems[f"xtokspec-{models.cross_label}-onehot-unhealed"] = ours(spec_unhealed, proposal="onehot")
             systems[f"xtokspec-{models.cross_label}-intersection"] = ours(spec_cross, proposal="intersection")
             systems[f"xtokspec-{models.cross_label}-auto"] = ours(spec_cross, proposal="auto")
+            if spec_unhealed:
+                systems[f"xtokspec-{models.cross_label}-auto-unhealed"] = ours(spec_unhealed, proposal="auto")
             if spec_trim:
                 systems[f"xtokspec-{models.cross_label}-auto-trim"] = ours(spec_trim, proposal="auto")
             add_trees()  # token trees
@@ -423,7 +426,7 @@ def add_bench_parser(sub) -> None:
                        help="beside each xtokspec chain and tree, the same system with SpecConfig(fallback=False): it "
                             "drafts every cycle even where the target alone is measured faster (-always)")
     bench.add_argument("--unhealed", action="store_true",
-                       help="beside the bridged greedy chain and one-hot sampler, the same system with "
+                       help="beside the bridged greedy chain, one-hot and auto samplers, the same system with "
                             "SpecConfig(draft_healing=False): the draft's context ends where the target's last token "
                             "does, even inside one of its own tokens (-unhealed)")
     bench.add_argument("--draft-vocab", type=int, default=0, metavar="N",

@@ -354,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "such cycles run the target alone, and drafting is probed now and then; see docs/how-it-works.md)")
     gen.add_argument("--no-healing", action="store_true",
                      help="no token healing: by default a cross-tokenizer draft chooses its last token of the text "
-                     "again at each cycle start, and a longer token that starts with it may replace it (greedy and "
-                     "--proposal onehot chains; see docs/how-it-works.md)")
+                     "again at each cycle start, and a longer token that starts with it may replace it (greedy "
+                     "chains and one-hot cycles; see docs/how-it-works.md)")
     gen.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, metavar="M",
                      help="token trees: drafted candidates kept at each depth, verified in one target call "
                      "(1: a single chain)")

@@ -374,9 +374,9 @@ class XTokSpec:
             return SameVocab(target_vocab, logits_device, head)
         sync = TextSync(self.target, self.draft, config.draft_lookbehind)
         # NOTE: healing leaves the restated token's text pending, which only the bridge's one-hot proposals carry:
-        # "auto" scores its kinds at a first position that healing would move, and a sampled tree root draws only
-        # where nothing is pending, so neither heals; trees do not (their draft cache holds one level per step)
-        healing = config.draft_healing and kind in ("greedy-bridge", "onehot") and config.tree_width == 1
+        # "auto" heals in its one-hot cycles (a healed cycle has no first-position row for the chooser to score),
+        # the intersection map never; trees do not (their draft cache holds one level per step)
+        healing = config.draft_healing and kind in ("greedy-bridge", "onehot", "auto") and config.tree_width == 1
         bridge = TextBridge(sync, self.target_eos, len(draft_prompt), "greedy-bridge" if kind == "greedy-bridge" else "onehot",
                             head, self.vocab_maps.draft_index, healing)
         if kind in ("greedy-bridge", "onehot"):

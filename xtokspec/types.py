@@ -86,9 +86,10 @@ class SpecConfig:
     adaptive: bool = True  # choose K each cycle from measured costs and acceptance
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
     draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
-    # two tokenizers, chains, greedy or proposal="onehot": at each cycle start the draft chooses its last token of
-    # the committed text again, among those starting with its text, and a longer one replaces it (token healing:
-    # the committed text ends on a target-token boundary, often inside one of the draft's own tokens)
+    # two tokenizers, chains, greedy or one-hot cycles (proposal "onehot", "auto"): at each cycle start the draft
+    # chooses its last token of the committed text again, among those starting with its text, and a longer one
+    # replaces it (token healing: the committed text ends on a target-token boundary, often inside one of the
+    # draft's own tokens)
     draft_healing: bool = True
     proposal: str = "auto"  # sampling across tokenizers: "onehot", "intersection" or "auto" (chosen each cycle)
     min_mapped_mass: float = 0.5  # "auto" starts with intersection when >= this share of the draft vocabulary maps
