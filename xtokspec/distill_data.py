@@ -43,7 +43,8 @@ class DistillSettings:
     lora: bool = False  # train LoRA adapters (peft) and merge them, instead of every weight
     lora_rank: int = 16
     # train every weight but the input embeddings (and an output head tied to them): for a draft whose vocabulary
-    # is most of its weights (Gemma-3-270M: 168M of 268M), steps cost a quarter less for the same agreement
+    # is most of its weights (Gemma-3-270M: 168M of 268M), steps cost a tenth to a quarter less for the same
+    # agreement
     freeze_embeddings: bool = False
     token_loss: float = 0.0  # weight of the token-level cross-tokenizer loss (0: sequence-level alone)
     token_top_k: int = 16  # target probabilities kept per position for it
