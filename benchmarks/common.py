@@ -30,6 +30,14 @@ def load_real(name: str, dtype):
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def bf16_near_tie_bound(logit: float) -> float:
+    """The largest gap between two bfloat16 logits that rounding explains, at a logit of this size: 2 units in the
+    last place of its magnitude (tests/test_greedy.py's near-tie bound, 2 * 2^-7 * |logit|)."""
+    import torch
+
+    return 2 * torch.finfo(torch.bfloat16).eps * max(abs(logit), 1.0)
+
+
 def acceptance_counts(runs, system: str, mode: str | None = None) -> dict[int, tuple[int, int]]:
     """prompt -> (accepted proposals, accepted + rejections) of one system's runs (in one mode, where given): the
     per-token acceptance's hits and positions, for `pooled_gain`."""

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import acceptance_counts, cpu_name, pooled_gain, save_report
+from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
 from xtokspec import SpecConfig, XTokSpec
@@ -143,7 +143,7 @@ def margins(target_path: Path, out: Path, prompts: list[str]) -> None:
                 diff = first_difference(model, prompt_ids, want, got)
             row = {"system": name, "prompt": int(key), "equal": diff is None and len(got) == len(want)}
             if diff:
-                row.update(diff, bound=2 * torch.finfo(torch.bfloat16).eps * max(abs(diff["logit"]), 1.0))
+                row.update(diff, bound=bf16_near_tie_bound(diff["logit"]))
             rows.append(row)
     past = [r for r in rows if "margin" in r and abs(r["margin"]) > r["bound"]]
     (out / "margins.json").write_text(json.dumps({"cpu": cpu_name(), "rows": rows, "past_the_bound": past}, indent=1))

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import acceptance_counts, cpu_name, pooled_gain, save_report
+from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
 from xtokspec.bench import REAL_PROMPTS, load_preset, run_benchmark
@@ -100,7 +100,7 @@ def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
         row = {"prompt": prompt, "equal": got == want, "first_difference": diff and diff["token"]}
         if diff:
             row["margin"] = diff["margin"]
-            row["bound"] = 2 * torch.finfo(torch.bfloat16).eps * max(abs(diff["logit"]), 1.0)
+            row["bound"] = bf16_near_tie_bound(diff["logit"])
         rows.append(row)
         print(row, flush=True)
     out.mkdir(parents=True, exist_ok=True)
