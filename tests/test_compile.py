@@ -117,6 +117,44 @@ def test_compiled_greedy_equals_target(tree_width, sp_tokenizer, bpe_tokenizer):
     assert max(COMPILE_BUCKETS) >= 4
 
 
+@pytest.mark.slow
+@pytest.mark.fallback  # the real Fallback observes (with adaptive=False it never runs the target alone)
+def test_cycles_that_compile_a_shape_are_left_out_of_the_policies(sp_tokenizer, bpe_tokenizer, monkeypatch):
+    """A first call of a new shape compiles inside a cycle (seconds on a CPU, minutes for a 13B model on a GPU).
+    Measured, that would pass for what drafting or a target step costs, and the policies, which carry over between
+    generations, would choose K and the fallback on it long after. On a clock that only compiling advances (10 s a
+    shape, simulated; the models' forwards cost nothing), the policies must have measured 0 s everywhere."""
+    import xtokspec.loop
+    import xtokspec.types
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(xtokspec.loop, "time", clock)
+    monkeypatch.setattr(xtokspec.types, "time", clock)
+    first_call = CompiledStep._run
+
+    def compiling(step, shape, *args, **kwargs):
+        if shape not in step.shapes:
+            clock.now += 10.0
+        return first_call(step, shape, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledStep, "_run", compiling)
+    target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
+    draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)
+    spec = XTokSpec(target, draft, config=SpecConfig(compile=True, adaptive=False, num_draft_tokens=3))
+    result = spec.generate(PROMPTS[1], max_new_tokens=24)  # a fixed K: its few shapes are soon all compiled
+    assert result.token_ids == target_ids(target, PROMPTS[1], 24)
+    assert clock.now >= 30.0 and result.stats.target_forwards > 5  # shapes were compiled during the generation
+    (drafting, draft_length), = spec._learned.values()
+    assert drafting.cycles > 0 and drafting.seconds == 0.0
+    assert draft_length.draft_step == 0.0 and draft_length.verify_cost.sums[3] == 0.0  # verification seconds
+
+
 @pytest.mark.parametrize("tree_width", [1, 2])
 def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, tiny_target, bpe_tokenizer, monkeypatch,
                                                                    caplog):

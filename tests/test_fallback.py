@@ -273,6 +273,27 @@ def test_fallback_engages_where_the_draft_is_too_slow_to_pay(ja_target, ja_draft
 
 
 @pytest.mark.slow
+def test_a_later_generation_drafts_as_many_tokens_as_earlier_ones_learned(ja_target, ja_draft_bpe, heldout_prompts,
+                                                                          monkeypatch, clock):
+    """A draft step that costs 8 ms against a target step's 10 ms (simulated): at this pair's acceptance one
+    drafted token a cycle pays best, and the first generation moves there from the configured 4 once its first
+    cycles are measured. A second generation with the same settings drafts one from its first cycle, where a
+    fresh policy would spend its first cycles drafting 4 again; other settings start from the configured 4."""
+    config = SpecConfig(fallback=False, num_draft_tokens=4)
+    spec = XTokSpec(ja_target, ja_draft_bpe, config=config)
+    clock.costs(monkeypatch, ja_draft_bpe[0], 0.008)
+    clock.costs(monkeypatch, ja_target[0], 0.010)
+    prompt = heldout_prompts[1]
+    first = spec.generate(prompt, max_new_tokens=NEW_TOKENS).stats
+    assert first.draft_lengths[0] == 4 and first.draft_lengths[-4:] == [1] * 4, first.draft_lengths
+    again = spec.generate(heldout_prompts[2], max_new_tokens=NEW_TOKENS)
+    assert again.token_ids == target_greedy(ja_target, heldout_prompts[2], NEW_TOKENS)
+    assert again.stats.draft_lengths[:3] == [1, 1, 1], again.stats.draft_lengths
+    other = spec.generate(prompt, max_new_tokens=8, num_draft_tokens=3).stats  # another setting: its own policy
+    assert other.draft_lengths[0] == 3, other.draft_lengths
+
+
+@pytest.mark.slow
 def test_fallback_stays_off_where_drafting_pays(ja_target, ja_draft_same, heldout_prompts, monkeypatch, clock):
     """A target step that costs 60 ms whatever it verifies, a draft step 1 ms (simulated): a drafted cycle
     commits more than one token for little more than a step, so the target alone runs only for the prompt's

@@ -491,6 +491,22 @@ def test_the_draft_length_policy_models_a_trees_first_level_apart():
     assert not chain.tree
 
 
+def test_the_draft_length_policy_leaves_a_prefills_draft_seconds_out_of_a_draft_step():
+    """A cycle in which the draft read its whole context (the prompt, or a moved window) spent its draft seconds
+    on that context, not on its K steps: counted as steps, a long prompt would make drafting look dear and the
+    policy draft short for the next cycles."""
+    from policies import drafted
+
+    from xtokspec.policy import DraftLength
+
+    policy = DraftLength(SpecConfig(num_draft_tokens=4))
+    policy.observe(drafted(4, 4, 3, 2.0, None))  # a prefill: 2 s of draft forwards over a long prompt
+    assert policy.draft_step is None and policy.cycles == 1
+    for _ in range(3):
+        policy.observe(drafted(4, 4, 3, 0.004, 0.010))
+    assert policy.draft_step == pytest.approx(0.001)
+
+
 def test_the_residual_removes_rejected_children_and_falls_back_to_p_only_when_nothing_is_left():
     from xtokspec.tree import residual
 

@@ -76,14 +76,17 @@ def drafted_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
     room = max(0, min(remaining - 1, run.target_limit - len(target.ids) - 1))
     mapper = run.mapper.current
     # a cycle in which either model feeds its whole context (the prompt; the draft after a target-alone first
-    # cycle or a moved window) says nothing of what drafting and verifying cost: the policies leave it out
+    # cycle or a moved window), or records or compiles a new shape, says nothing of what drafting and verifying
+    # cost: the policies leave it out
     prefill = target.prefilling or draft.cached == 0
+    setup = setup_seconds(run)
     laps = Laps()
     proposal = run.proposer.propose(draft, k, mapper, room, laps)  # laps "draft" and "bridge"
     verdict = verify(target, proposal, run.sampler)
     laps("verify")
     new_ids = commit(run, mapper, proposal, verdict, remaining)
     laps("bridge")
+    prefill = prefill or setup_seconds(run) != setup
     trie = proposal.trie
     record = CycleRecord(
         kind=proposal.kind, draft_steps=proposal.draft_steps,
@@ -119,12 +122,18 @@ def alone_cycle(run: Run, remaining: int) -> tuple[list[int], CycleRecord]:
     """One target step with no draft -> the committed id. The draft is not fed: the ids wait in `unsynced` until
     a drafted cycle needs the draft again (`catch_up`)."""
     t0 = time.perf_counter()
-    prefill = run.target.prefilling
+    prefill, setup = run.target.prefilling, setup_seconds(run)
     verdict = verify_chain(run.target, [], None, run.sampler)  # no proposals: the target's own next token
     run.target.extend([verdict.next_token])
     new_ids = committed([verdict.next_token], remaining, run.target_eos)
     run.unsynced += new_ids
+    prefill = prefill or setup_seconds(run) != setup  # NOTE: a step that compiled a shape is not a step's cost
     return new_ids, CycleRecord(ALONE, 0, 0, 0, 0, False, len(new_ids), 0.0, 0.0, time.perf_counter() - t0, prefill)
+
+
+def setup_seconds(run: Run) -> float:
+    """Seconds both models' captured steps have spent recording CUDA graphs or compiling new shapes."""
+    return sum(state.step.setup_seconds for state in (run.target, run.draft) if state.step is not None)
 
 
 def catch_up(run: Run) -> float:

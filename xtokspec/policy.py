@@ -86,7 +86,7 @@ class DraftLength:
         else:
             self.successes = d * self.successes + accepted
             self.failures = d * self.failures + (1.0 if cycle.rejected else 0.0)
-        if cycle.draft_steps:
+        if cycle.draft_steps and not cycle.prefill:  # NOTE: a prefill's draft seconds are its whole context's
             step = cycle.draft_s / cycle.draft_steps
             self.draft_step = step if self.draft_step is None else d * self.draft_step + (1 - d) * step
             self.proposals_per_draft = d * self.proposals_per_draft + (1 - d) * cycle.depth / cycle.draft_steps

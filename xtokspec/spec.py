@@ -80,7 +80,10 @@ class XTokSpec:
         self._idle_kv: dict[int, object] = {}  # id(model) -> its static cache, between generations
         self._tree_size_times: dict = {}  # captured tree verification costs per size (policy.TreeBudget)
         self._alone_times = collections.deque(maxlen=Fallback.ALONE_SAMPLES)  # target-alone cycle seconds
-        self._drafting_costs: dict[tuple, DraftingCost] = {}  # per setting (config, sampling, kind): Fallback
+        # what drafting costs and how often it is accepted, per setting (config, sampling, kind): the fallback's
+        # DraftingCost and the DraftLength policy carry over between generations (the costs are the models' and
+        # the device's, the acceptance the pair's on similar text), so a later generation starts from them
+        self._learned: dict[tuple, tuple[DraftingCost, DraftLength]] = {}
         self._custom_generate = None
         self.last_stats: GenerationStats | None = None  # of the last custom_generate call (transformers' generate)
 
@@ -341,11 +344,12 @@ class XTokSpec:
             sampler = Sampler(warpers, torch.Generator(device=input_device(self.target_model)).manual_seed(seed))
             draft_gen = torch.Generator(device=input_device(self.draft_model)).manual_seed(seed + 1)
         setting = (config, dataclasses.replace(params, seed=None), kind)
-        drafting = self._drafting_costs.setdefault(setting, DraftingCost(alone_run=Fallback.PROBE_DRAFT_FIRST))
-        verify_cost = VerifyCost()
+        if setting not in self._learned:
+            self._learned[setting] = DraftingCost(alone_run=Fallback.PROBE_DRAFT_FIRST), DraftLength(config, VerifyCost())
+        drafting, draft_length = self._learned[setting]
         fallback = (self.fallback_policy(config) if self.fallback_policy is not None
                     else Fallback(config, self._alone_times, drafting))
-        draft_length, budget = DraftLength(config, verify_cost), TreeBudget(config, verify_cost, self._tree_size_times)
+        budget = TreeBudget(config, draft_length.verify_cost, self._tree_size_times)
         target_vocab = self.target_model.config.vocab_size
         draft_device = input_device(self.draft_model)
         if config.tree_width > 1:

@@ -81,7 +81,7 @@ def check_prompt(prompt) -> None:
 class SpecConfig:
     """Speculation knobs; defaults are the ones the benchmarks found best on the fixture pair."""
 
-    num_draft_tokens: int = 4  # K at the start (and always, when adaptive=False)
+    num_draft_tokens: int = 4  # K at the start of the first generation with a setting (and always, when adaptive=False)
     max_draft_tokens: int = 12  # upper bound for the adaptive choice of K
     adaptive: bool = True  # choose K each cycle from measured costs and acceptance
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
@@ -191,7 +191,9 @@ class CycleRecord:
     draft_s: float
     bridge_s: float  # bridging and both caches' commits (and catching the draft up after target-alone cycles)
     verify_s: float
-    prefill: bool  # a model fed its whole context (the prompt): the cycle's times say nothing of its steps' cost
+    # a model fed its whole context (the prompt), or a step recorded or compiled a new shape: the cycle's times
+    # say nothing of its steps' cost
+    prefill: bool
     size: int | None = None  # a captured tree verification: the nodes its bucket carried
     predicted: float | None = None  # a tree: its verified nodes' values summed (their expected accepted count)
     pruned: int = 0  # a tree: drafted nodes left out of verification
