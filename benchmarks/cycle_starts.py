@@ -10,6 +10,12 @@ OUT/<name>-<shard>.json (each cycle's committed ids, accepted count, proposals);
 
     python benchmarks/cycle_starts.py --draft base=~/.cache/xtokspec/real/gemma-3-270m --shard 0/2 --out DIR
     python benchmarks/cycle_starts.py --report --out DIR
+
+Where the runs kept each cycle's proposals (`--healing` runs heal, as the decoder does by default), the report
+also says where cycles stop (OUT/rejections.md): each proposal position's acceptance given the ones before it were
+accepted, and of the rejected proposals, the share whose text the target wrote all the same, in other pieces (the
+draft's text ends inside a longer target token: "を与" proposed where the target writes "を与え"), with how many of
+those were a cycle's last proposal.
 """
 
 from __future__ import annotations
@@ -29,25 +35,34 @@ from xtokspec.models import load
 KINDS = ("first", "aligned", "inside")  # "first": the prompt's end (the first cycle)
 
 
-def run(name: str, path: str, shard: str, out: Path) -> None:
+def run(name: str, path: str, shard: str, out: Path, healing: bool = False) -> None:
     index, shards = (int(x) for x in shard.split("/"))
     target = load(str(real_model_dir("qwen2.5-coder-1.5b")), "target", dtype=torch.bfloat16)
     draft = load(str(Path(path).expanduser()), "draft", dtype=torch.bfloat16)
-    spec = XTokSpec(target, draft, config=SpecConfig(fallback=False, draft_healing=False))
+    spec = XTokSpec(target, draft, config=SpecConfig(fallback=False, draft_healing=healing))
     cycles = []
     drafted_cycle = loop.drafted_cycle
 
+    proposed = []
+    propose = loop.verify
+
+    def verify(target, proposal, sampler):
+        proposed.append(list(proposal.target_ids))
+        return propose(target, proposal, sampler)
+
     def recorded(run, remaining):
         new_ids, record = drafted_cycle(run, remaining)
-        cycles.append((new_ids, record.accepted, record.depth))
+        cycles.append((new_ids, record.accepted, record.depth, proposed.pop()))
         return new_ids, record
+
+    loop.verify = verify
 
     loop.drafted_cycle = recorded
     rows = []
     for prompt in (REAL_PROMPTS + held_out_prompts(0, 10))[index::shards]:
         cycles.clear()
         result = spec.generate(prompt, max_new_tokens=64)
-        rows.append({"prompt": prompt, "out": result.token_ids, "cycles": list(cycles)})
+        rows.append({"prompt": prompt, "out": result.token_ids, "cycles": list(cycles), "draft": path})
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}-{index}.json").write_text(json.dumps(rows, ensure_ascii=False))
 
@@ -58,7 +73,7 @@ def report(out: Path) -> None:
     from xtokspec.codec import TokenCodec
 
     t = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("qwen2.5-coder-1.5b")), name="target")
-    d = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("gemma-3-270m")), name="draft")
+    gemma = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("gemma-3-270m")), name="draft")
     names = dict.fromkeys(p.stem.rsplit("-", 1)[0] for p in sorted(out.glob("*-*.json")))
     lines = ["| draft | kind of cycle start | cycles | first proposal accepted | per-token acceptance |",
              "|---|---|---|---|---|"]
@@ -66,7 +81,10 @@ def report(out: Path) -> None:
     for name in names:
         stat = defaultdict(lambda: [0, 0, 0, 0])  # cycles, first accepted, accepted, proposals tested
         for f in sorted(out.glob(f"{name}-*.json")):
-            for row in json.loads(f.read_text()):
+            rows = json.loads(f.read_text())
+            draft = rows[0].get("draft") if rows else None  # runs that did not record their draft: Gemma-3's
+            d = TokenCodec(AutoTokenizer.from_pretrained(Path(draft).expanduser()), name="draft") if draft else gemma
+            for row in rows:
                 prompt = row["prompt"].encode()
                 text = prompt + b"".join(t.token_bytes[i] for i in row["out"])
                 _, ends = d.encode_stream(text.decode("utf-8", errors="ignore"))
@@ -75,7 +93,7 @@ def report(out: Path) -> None:
                     inside.update(range(start + 1, end))
                     start = end
                 pos = len(prompt)
-                for n, (new_ids, accepted, depth) in enumerate(row["cycles"]):
+                for n, (new_ids, accepted, depth, *_) in enumerate(row["cycles"]):
                     kind = "first" if n == 0 else "inside" if pos in inside else "aligned"
                     if depth >= 1:
                         s = stat[kind]
@@ -93,12 +111,58 @@ def report(out: Path) -> None:
     (out / "cycle_starts.md").write_text("\n".join(lines) + "\n")
     (out / "cycle_starts.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
+    rejections(out, names, t)
+
+
+def rejections(out: Path, names, t) -> None:
+    """Where cycles stop, for the runs that kept their proposals: OUT/rejections.md and .json."""
+    lines = ["| draft | cycles | acceptance at proposal 1 / 2 / 3 / 4+ (given the ones before) | rejections at the "
+             "first proposal | rejected text the target wrote in other pieces | ... at a cycle's last proposal |",
+             "|---|---|---|---|---|---|"]
+    summary = {}
+    for name in names:
+        reached, accepted_at = defaultdict(int), defaultdict(int)
+        cycles = rejected = first = other = last = 0
+        for f in sorted(out.glob(f"{name}-*.json")):
+            for row in json.loads(f.read_text()):
+                out_ids, at = row["out"], 0
+                for new_ids, accepted, depth, *kept in row["cycles"]:
+                    if kept and depth >= 1:
+                        proposals = kept[0]
+                        cycles += 1
+                        for j in range(min(accepted + 1, depth)):
+                            reached[min(j, 3)] += 1
+                            accepted_at[min(j, 3)] += j < accepted
+                        if accepted < depth:
+                            rejected += 1
+                            first += accepted == 0
+                            wrong = t.bytes_of(proposals[accepted:])
+                            written = t.bytes_of(out_ids[at + accepted:])
+                            n = min(len(wrong), len(written))
+                            if wrong[:n] == written[:n]:  # the same text, split otherwise
+                                other += 1
+                                last += accepted == depth - 1
+                    at += len(new_ids)
+        if not cycles:
+            continue
+        rates = [accepted_at[j] / reached[j] if reached[j] else None for j in range(4)]
+        summary[name] = {"cycles": cycles, "rejections": rejected, "acceptance_by_position": rates,
+                         "first_position_rejections": first, "same_text_other_pieces": other,
+                         "same_text_at_last_proposal": last}
+        shown = " / ".join("-" if r is None else f"{r:.3f}" for r in rates)
+        lines.append(f"| {name} | {cycles} | {shown} | {first / rejected:.2f} ({first} of {rejected}) | "
+                     f"{other / rejected:.3f} ({other}) | {last} |")
+    if summary:
+        (out / "rejections.md").write_text("\n".join(lines) + "\n")
+        (out / "rejections.json").write_text(json.dumps(summary, indent=1))
+        print("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", metavar="NAME=PATH", help="a draft for Qwen2.5-Coder-1.5B (its tokenizer Gemma-3's)")
     parser.add_argument("--shard", default="0/1", metavar="I/N", help="only the prompts whose index is I modulo N")
+    parser.add_argument("--healing", action="store_true", help="token healing on (the decoder's default)")
     parser.add_argument("--report", action="store_true", help="no run: the table over OUT's runs")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -106,7 +170,7 @@ def main() -> None:
     if args.report:
         return report(args.out)
     name, _, path = args.draft.partition("=")
-    run(name, path, args.shard, args.out)
+    run(name, path, args.shard, args.out, args.healing)
 
 
 if __name__ == "__main__":
