@@ -41,23 +41,15 @@ def run(name: str, path: str, shard: str, out: Path, healing: bool = False) -> N
     draft = load(str(Path(path).expanduser()), "draft", dtype=torch.bfloat16)
     spec = XTokSpec(target, draft, config=SpecConfig(fallback=False, draft_healing=healing))
     cycles = []
-    drafted_cycle = loop.drafted_cycle
+    commit = loop.commit
 
-    proposed = []
-    propose = loop.verify
+    def recorded(run, mapper, proposal, verdict, remaining):  # a drafted cycle's commit (chains: no trie)
+        new_ids = commit(run, mapper, proposal, verdict, remaining)
+        proposals = list(proposal.target_ids)
+        cycles.append((new_ids, verdict.accepted, len(proposals), proposals))
+        return new_ids
 
-    def verify(target, proposal, sampler):
-        proposed.append(list(proposal.target_ids))
-        return propose(target, proposal, sampler)
-
-    def recorded(run, remaining):
-        new_ids, record = drafted_cycle(run, remaining)
-        cycles.append((new_ids, record.accepted, record.depth, proposed.pop()))
-        return new_ids, record
-
-    loop.verify = verify
-
-    loop.drafted_cycle = recorded
+    loop.commit = recorded
     rows = []
     for prompt in (REAL_PROMPTS + held_out_prompts(0, 10))[index::shards]:
         cycles.clear()
@@ -73,35 +65,41 @@ def report(out: Path) -> None:
     from xtokspec.codec import TokenCodec
 
     t = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("qwen2.5-coder-1.5b")), name="target")
-    gemma = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("gemma-3-270m")), name="draft")
-    names = dict.fromkeys(p.stem.rsplit("-", 1)[0] for p in sorted(out.glob("*-*.json")))
+    codecs = {}  # a draft's folder -> its TokenCodec (runs that did not record their draft: Gemma-3's)
+
+    def draft_codec(path: str | None) -> TokenCodec:
+        path = str(Path(path).expanduser()) if path else str(real_model_dir("gemma-3-270m"))
+        if path not in codecs:
+            codecs[path] = TokenCodec(AutoTokenizer.from_pretrained(path), name="draft")
+        return codecs[path]
+
+    runs = defaultdict(list)  # name -> its rows, every shard's
+    for f in sorted(out.glob("*-*.json")):  # NAME-SHARD.json
+        runs[f.stem.rsplit("-", 1)[0]] += json.loads(f.read_text())
     lines = ["| draft | kind of cycle start | cycles | first proposal accepted | per-token acceptance |",
              "|---|---|---|---|---|"]
     summary = {}
-    for name in names:
+    for name, rows in runs.items():
         stat = defaultdict(lambda: [0, 0, 0, 0])  # cycles, first accepted, accepted, proposals tested
-        for f in sorted(out.glob(f"{name}-*.json")):
-            rows = json.loads(f.read_text())
-            draft = rows[0].get("draft") if rows else None  # runs that did not record their draft: Gemma-3's
-            d = TokenCodec(AutoTokenizer.from_pretrained(Path(draft).expanduser()), name="draft") if draft else gemma
-            for row in rows:
-                prompt = row["prompt"].encode()
-                text = prompt + b"".join(t.token_bytes[i] for i in row["out"])
-                _, ends = d.encode_stream(text.decode("utf-8", errors="ignore"))
-                inside, start = set(), 0
-                for end in ends:
-                    inside.update(range(start + 1, end))
-                    start = end
-                pos = len(prompt)
-                for n, (new_ids, accepted, depth, *_) in enumerate(row["cycles"]):
-                    kind = "first" if n == 0 else "inside" if pos in inside else "aligned"
-                    if depth >= 1:
-                        s = stat[kind]
-                        s[0] += 1
-                        s[1] += accepted >= 1
-                        s[2] += accepted
-                        s[3] += accepted + (accepted < depth)  # a rejection tests one more proposal
-                    pos += sum(len(t.token_bytes[i]) for i in new_ids)
+        for row in rows:
+            d = draft_codec(row.get("draft"))
+            prompt = row["prompt"].encode()
+            text = prompt + b"".join(t.token_bytes[i] for i in row["out"])
+            _, ends = d.encode_stream(text.decode("utf-8", errors="ignore"))
+            inside, start = set(), 0
+            for end in ends:
+                inside.update(range(start + 1, end))
+                start = end
+            pos = len(prompt)
+            for n, (new_ids, accepted, depth, *_) in enumerate(row["cycles"]):
+                kind = "first" if n == 0 else "inside" if pos in inside else "aligned"
+                if depth >= 1:
+                    s = stat[kind]
+                    s[0] += 1
+                    s[1] += accepted >= 1
+                    s[2] += accepted
+                    s[3] += accepted + (accepted < depth)  # a rejection tests one more proposal
+                pos += sum(len(t.token_bytes[i]) for i in new_ids)
         summary[name] = {k: {"cycles": v[0], "first_accepted": v[1] / v[0], "acceptance": v[2] / v[3]}
                          for k, v in stat.items()}
         for kind in KINDS:
@@ -111,38 +109,37 @@ def report(out: Path) -> None:
     (out / "cycle_starts.md").write_text("\n".join(lines) + "\n")
     (out / "cycle_starts.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
-    rejections(out, names, t)
+    rejections(out, runs, t)
 
 
-def rejections(out: Path, names, t) -> None:
-    """Where cycles stop, for the runs that kept their proposals: OUT/rejections.md and .json."""
+def rejections(out: Path, runs: dict[str, list], t) -> None:
+    """Where cycles stop, for the runs that kept their proposals (name -> rows): OUT/rejections.md and .json."""
     lines = ["| draft | cycles | acceptance at proposal 1 / 2 / 3 / 4+ (given the ones before) | rejections at the "
              "first proposal | rejected text the target wrote in other pieces | ... at a cycle's last proposal |",
              "|---|---|---|---|---|---|"]
     summary = {}
-    for name in names:
+    for name, rows in runs.items():
         reached, accepted_at = defaultdict(int), defaultdict(int)
         cycles = rejected = first = other = last = 0
-        for f in sorted(out.glob(f"{name}-*.json")):
-            for row in json.loads(f.read_text()):
-                out_ids, at = row["out"], 0
-                for new_ids, accepted, depth, *kept in row["cycles"]:
-                    if kept and depth >= 1:
-                        proposals = kept[0]
-                        cycles += 1
-                        for j in range(min(accepted + 1, depth)):
-                            reached[min(j, 3)] += 1
-                            accepted_at[min(j, 3)] += j < accepted
-                        if accepted < depth:
-                            rejected += 1
-                            first += accepted == 0
-                            wrong = t.bytes_of(proposals[accepted:])
-                            written = t.bytes_of(out_ids[at + accepted:])
-                            n = min(len(wrong), len(written))
-                            if wrong[:n] == written[:n]:  # the same text, split otherwise
-                                other += 1
-                                last += accepted == depth - 1
-                    at += len(new_ids)
+        for row in rows:
+            out_ids, at = row["out"], 0
+            for new_ids, accepted, depth, *kept in row["cycles"]:
+                if kept and depth >= 1:
+                    proposals = kept[0]
+                    cycles += 1
+                    for j in range(min(accepted + 1, depth)):
+                        reached[min(j, 3)] += 1
+                        accepted_at[min(j, 3)] += j < accepted
+                    if accepted < depth:
+                        rejected += 1
+                        first += accepted == 0
+                        wrong = t.bytes_of(proposals[accepted:])
+                        written = t.bytes_of(out_ids[at + accepted:])
+                        n = min(len(wrong), len(written))
+                        if wrong[:n] == written[:n]:  # the same text, split otherwise
+                            other += 1
+                            last += accepted == depth - 1
+                at += len(new_ids)
         if not cycles:
             continue
         rates = [accepted_at[j] / reached[j] if reached[j] else None for j in range(4)]

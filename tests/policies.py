@@ -1,5 +1,5 @@
-"""Policies and cycle records for tests: a scripted fallback passed in through `XTokSpec.fallback_policy`, and
-made-up `CycleRecord`s for the policies' unit tests."""
+"""Policies and cycle records for tests: a scripted fallback passed in through `XTokSpec.fallback_policy`,
+made-up `CycleRecord`s for the policies' unit tests, and a simulated clock for the loop's timings."""
 
 from __future__ import annotations
 
@@ -52,3 +52,35 @@ def drafted(draft_steps: int, depth: int, accepted: int, draft_s: float, verify_
 def alone(seconds: float) -> CycleRecord:
     """A target-alone cycle's record."""
     return CycleRecord(ALONE, 0, 0, 0, 0, False, 1, 0.0, 0.0, seconds, False)
+
+
+class SimulatedClock:
+    """The loop's clock (`time.perf_counter` in xtokspec.loop and xtokspec.types), advanced only where a test
+    says: by a model's forwards, the seconds each is given (`costs`), or by hand (`now`). The policies see the
+    same timings on any machine, under any load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def costs(self, monkeypatch, model, seconds: float) -> None:
+        forward = model.forward
+
+        def timed(*args, **kwargs):
+            self.now += seconds
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", timed)
+
+
+def simulated_clock(monkeypatch) -> SimulatedClock:
+    """A SimulatedClock that the loop's timings read (the test's monkeypatch puts the real clock back)."""
+    import xtokspec.loop
+    import xtokspec.types
+
+    clock = SimulatedClock()
+    monkeypatch.setattr(xtokspec.loop, "time", clock)
+    monkeypatch.setattr(xtokspec.types, "time", clock)
+    return clock

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from model_helpers import tiny_llama, tiny_neox
-from policies import scripted
+from policies import scripted, simulated_clock
 
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
 from xtokspec.compile import COMPILE_BUCKETS, CompiledStep, GraphCaptureError, GraphedStep, choose_step
@@ -124,18 +124,7 @@ def test_cycles_that_compile_a_shape_are_left_out_of_the_policies(sp_tokenizer, 
     Measured, that would pass for what drafting or a target step costs, and the policies, which carry over between
     generations, would choose K and the fallback on it long after. On a clock that only compiling advances (10 s a
     shape, simulated; the models' forwards cost nothing), the policies must have measured 0 s everywhere."""
-    import xtokspec.loop
-    import xtokspec.types
-
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self) -> float:
-            return self.now
-
-    clock = Clock()
-    monkeypatch.setattr(xtokspec.loop, "time", clock)
-    monkeypatch.setattr(xtokspec.types, "time", clock)
+    clock = simulated_clock(monkeypatch)
     first_call = CompiledStep._run
 
     def compiling(step, shape, *args, **kwargs):

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from policies import alone as alone_cycle
-from policies import drafted, scripted
+from policies import drafted, scripted, simulated_clock
 
 from xtokspec import SpecConfig, XTokSpec, loop
 from xtokspec.codec import utf8_valid_prefix_len
@@ -220,35 +220,9 @@ def test_stream_matches_generate_with_target_alone_cycles(bridged_spec, heldout_
 
 
 # ---------------------------------------------------------------- a simulated clock
-class SimulatedClock:
-    """The loop's clock (`time.perf_counter` in xtokspec.loop and xtokspec.types), advanced only by the models'
-    forwards, by the seconds each is given: the policy sees the same timings on any machine, under any load."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def costs(self, monkeypatch, model, seconds: float) -> None:
-        forward = model.forward
-
-        def timed(*args, **kwargs):
-            self.now += seconds
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", timed)
-
-
 @pytest.fixture
 def clock(monkeypatch):
-    import xtokspec.loop
-    import xtokspec.types
-
-    clock = SimulatedClock()
-    monkeypatch.setattr(xtokspec.loop, "time", clock)
-    monkeypatch.setattr(xtokspec.types, "time", clock)
-    return clock
+    return simulated_clock(monkeypatch)
 
 
 @pytest.mark.slow
