@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from xtokspec.batch_draft import draft_together
-from xtokspec.cache import ModelState
-from xtokspec.compile import GraphedStep
-from xtokspec.kv import sliding_layers
-from xtokspec.models import load
-from xtokspec.propose import ChainProposer
+from xtokspec.decode.propose import ChainProposer
+from xtokspec.runtime.cache import ModelState
+from xtokspec.runtime.compile import GraphedStep
+from xtokspec.runtime.kv import sliding_layers
+from xtokspec.runtime.models import load
+from xtokspec.vllm.batch import draft_together
 
 CONFIGS = {  # the shapes of the real drafts (config.json of each model folder, weights random)
     "smollm2": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from xtokspec.models import load
+from xtokspec.runtime.models import load
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ Results: results.json and results.md under --out.
 
     python benchmarks/chat_acceptance.py --out benchmarks/real-chat-epyc-avx512bf16
 
-Model names are those of benchmarks/real_models.py (converted under xtokspec.bench.real_models_root()).
+Model names are those of benchmarks/real_models.py (converted under xtokspec.cli.presets.real_models_root()).
 """
 
 from __future__ import annotations

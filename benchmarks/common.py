@@ -22,7 +22,7 @@ def load_real(name: str, dtype):
     """A real model converted by benchmarks/real_models.py -> (model, tokenizer), ready for greedy comparisons."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xtokspec.bench import real_model_dir
+    from xtokspec.cli.presets import real_model_dir
 
     path = real_model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -48,7 +48,7 @@ def acceptance_counts(runs, system: str, mode: str | None = None) -> dict[int, t
 def pooled_gain(before: dict, after: dict) -> dict:
     """Per-token acceptance pooled over prompts, before and after, from {prompt: (accepted, positions)} of the
     same prompts -> both shares, the gain, and its 95% bootstrap interval over prompts (paired)."""
-    from xtokspec.distill_eval import paired_interval
+    from xtokspec.distill.evaluate import paired_interval
 
     keys = sorted(before.keys() & after.keys())
     pairs_before, pairs_after = [before[k] for k in keys], [after[k] for k in keys]

@@ -106,7 +106,7 @@ def _load_models(preset: str, fixtures: Path, dtype, device: str) -> dict:
         paths = {"target": fixtures / "models" / "ja-target",
                  **{role: fixtures / "models" / name for role, name in FIXTURE_DRAFTS.items()}}
     else:
-        from xtokspec.bench import real_model_dir  # raises a clear XTokSpecError when a model is absent
+        from xtokspec.cli.presets import real_model_dir  # raises a clear XTokSpecError when a model is absent
 
         paths = {role: real_model_dir(name) for role, name in REAL_MODELS.items()}
     models = {role: load(path) for role, path in paths.items()}
@@ -437,7 +437,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new", help="the source tree compared against it")
     parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures",
                         help="fixtures: the bundled Japanese fixture models; real: the converted real models "
-                             "under xtokspec.bench.real_models_root() (as `xtokspec bench --preset real`)")
+                             "under xtokspec.cli.presets.real_models_root() (as `xtokspec bench --preset real`)")
     parser.add_argument("--fixtures", default=str(ROOT / "fixtures"),
                         help="the fixtures folder both workers load the fixture models from (default: this "
                              "checkout's), so that both trees run the same weights")

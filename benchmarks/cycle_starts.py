@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 from distill_agreement import held_out_prompts
 
-from xtokspec import SpecConfig, XTokSpec, loop
-from xtokspec.bench import REAL_PROMPTS, real_model_dir
-from xtokspec.models import load
+from xtokspec import SpecConfig, XTokSpec
+from xtokspec.cli.bench import REAL_PROMPTS
+from xtokspec.cli.presets import real_model_dir
+from xtokspec.decode import loop
+from xtokspec.runtime.models import load
 
 KINDS = ("first", "aligned", "inside")  # "first": the prompt's end (the first cycle)
 
@@ -62,7 +64,7 @@ def run(name: str, path: str, shard: str, out: Path, healing: bool = False) -> N
 def report(out: Path) -> None:
     from transformers import AutoTokenizer
 
-    from xtokspec.codec import TokenCodec
+    from xtokspec.text.codec import TokenCodec
 
     t = TokenCodec(AutoTokenizer.from_pretrained(real_model_dir("qwen2.5-coder-1.5b")), name="target")
     codecs = {}  # a draft's folder -> its TokenCodec (runs that did not record their draft: Gemma-3's)

@@ -1,5 +1,5 @@
 """How much distilled drafts gained, on enough held-out prompts to tell: the teacher-forced agreement of each
-draft with the target's greedy text per target token (`xtokspec.distill.agreement`), against the draft it was distilled from,
+draft with the target's greedy text per target token (`xtokspec.distill.pipeline.agreement`), against the draft it was distilled from,
 with a 95% bootstrap interval over prompts on each gain (paired: every draft scores the same continuations).
 
 `xtokspec distill` evaluates through the decoder, a timed generation per prompt and draft, so it runs on a dozen
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from xtokspec.distill import agreement, continue_prompts
-from xtokspec.models import load
+from xtokspec.distill.pipeline import agreement, continue_prompts
+from xtokspec.runtime.models import load
 
 DATA = Path(__file__).resolve().parent.parent / "fixtures" / "data"
 
@@ -48,7 +48,7 @@ def references(target: str, prompts: list[str], new_tokens: int, dtype: str, eng
     model, tokenizer = load(target, "target", dtype=getattr(torch, dtype))
     generator = None
     if engine == "vllm":
-        from xtokspec.distill_data import VllmGenerator
+        from xtokspec.distill.data import VllmGenerator
 
         generator = VllmGenerator(target, dtype=dtype)
     records = []

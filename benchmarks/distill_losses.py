@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from xtokspec import XTokSpec
-from xtokspec.distill import DistillSettings, train_draft, training_examples
-from xtokspec.distill_train import target_to_draft_ids
+from xtokspec.distill.pipeline import DistillSettings, train_draft, training_examples
+from xtokspec.distill.train import target_to_draft_ids
 
 
 def main() -> None:

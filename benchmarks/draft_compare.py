@@ -29,9 +29,9 @@ from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain
 from distill_agreement import held_out_prompts
 
 from xtokspec import SpecConfig, XTokSpec
-from xtokspec.bench import REAL_PROMPTS
-from xtokspec.models import load
-from xtokspec.report import Run, write_report
+from xtokspec.cli.bench import REAL_PROMPTS
+from xtokspec.cli.report import Run, write_report
+from xtokspec.runtime.models import load
 
 
 def main() -> None:
@@ -128,7 +128,7 @@ def margins(target_path: Path, out: Path, prompts: list[str]) -> None:
     """Each xtokspec system's first departure from the target's greedy output (`first_difference`: one plain forward
     over the prompt and the common prefix), with the near-tie bound of tests/test_greedy.py (two bf16 steps of the
     target's logit there). A margin past the bound would be a bug, not a floating-point near-tie."""
-    from xtokspec.distill_eval import first_difference
+    from xtokspec.distill.evaluate import first_difference
 
     outputs = json.loads((out / "outputs.json").read_text())
     model, tokenizer = load(str(target_path), "target", dtype=torch.bfloat16)

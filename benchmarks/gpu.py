@@ -37,9 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from xtokspec.cache import ModelState  # noqa: E402
-from xtokspec.compile import COMPILE_BUCKETS, CompiledStep, move_positions, padded_length  # noqa: E402
-from xtokspec.kv import to_device  # noqa: E402
+from xtokspec.runtime.cache import ModelState  # noqa: E402
+from xtokspec.runtime.compile import COMPILE_BUCKETS, CompiledStep, move_positions, padded_length  # noqa: E402
+from xtokspec.runtime.kv import to_device  # noqa: E402
 from xtokspec.types import expected_tokens  # noqa: E402
 
 CONTEXT = 512

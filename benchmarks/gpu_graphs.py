@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu import CONTEXT, REPS, build, predict, shapes, sync, timed  # noqa: E402
 
-from xtokspec.cache import ModelState  # noqa: E402
-from xtokspec.compile import GraphedStep  # noqa: E402
+from xtokspec.runtime.cache import ModelState  # noqa: E402
+from xtokspec.runtime.compile import GraphedStep  # noqa: E402
 
 LENGTHS = (1, 2, 4, 8)
 

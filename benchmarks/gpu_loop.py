@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu import build, shapes, sync  # noqa: E402
 
 from xtokspec import SpecConfig, XTokSpec  # noqa: E402
-from xtokspec.cache import ModelState  # noqa: E402
+from xtokspec.runtime.cache import ModelState  # noqa: E402
 
 FIXTURES = ROOT / "fixtures" / "models"
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "表計算ドキュメントのセル範囲は、"]

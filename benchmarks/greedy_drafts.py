@@ -30,7 +30,7 @@ import torch
 
 import xtokspec.spec
 from xtokspec import SpecConfig, XTokSpec
-from xtokspec.propose import ChainProposer
+from xtokspec.decode.propose import ChainProposer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -21,8 +21,9 @@ import torch
 from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain, save_report
 from distill_agreement import held_out_prompts
 
-from xtokspec.bench import REAL_PROMPTS, load_preset, run_benchmark
-from xtokspec.report import Run, heal_pairs, write_report
+from xtokspec.cli.bench import REAL_PROMPTS, run_benchmark
+from xtokspec.cli.presets import load_preset
+from xtokspec.cli.report import Run, heal_pairs, write_report
 
 GREEDY = "xtokspec-bridged-gemma"  # sampled modes: GREEDY + "-" + the proposal kind (--sampled-proposal)
 
@@ -80,9 +81,9 @@ def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
     position and the target's logit margin there between the two tokens (one plain forward over the prompt and
     the common prefix), against 2 bf16 steps of the logit (tests/test_greedy.py's near-tie bound)."""
     from xtokspec import SpecConfig, XTokSpec
-    from xtokspec.bench import real_model_dir
-    from xtokspec.distill_eval import first_difference
-    from xtokspec.models import load
+    from xtokspec.cli.presets import real_model_dir
+    from xtokspec.distill.evaluate import first_difference
+    from xtokspec.runtime.models import load
 
     target = load(str(real_model_dir("qwen2.5-coder-1.5b")), "target", dtype=torch.bfloat16)
     draft = load(str(real_model_dir("gemma-3-270m")), "draft", dtype=torch.bfloat16)

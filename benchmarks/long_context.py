@@ -15,7 +15,7 @@ also caps what it prefills of a long prompt). Results: results.json and results.
     python benchmarks/long_context.py --lengths 256 1024 4096 --new-tokens 32 256 --out benchmarks/long-context/real-xeon
     python benchmarks/long_context.py --target gemma-3-270m --drafts bridged-qwen=qwen2.5-coder-0.5b --lengths 1024 4096
 
-Model names are those of benchmarks/real_models.py (converted under xtokspec.bench.real_models_root()).
+Model names are those of benchmarks/real_models.py (converted under xtokspec.cli.presets.real_models_root()).
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ def system(spec, prompt: str, new_tokens: int) -> dict:
     from xtokspec import GenerationStats
 
     sizes = {}
-    release = spec._release
+    release = spec.kept.release
 
-    def measured_release(state):  # NOTE: a benchmark's hook on a private method: the caches' bytes before release
+    def measured_release(state, keep=1):  # NOTE: a benchmark's hook: the caches' bytes when they are handed back
         sizes["target" if state.model is spec.target_model else "draft"] = cache_bytes(state)
-        release(state)
+        release(state, keep)
 
-    spec._release = measured_release
+    spec.kept.release = measured_release
     stats = GenerationStats()
     ids: list[int] = []
     try:
@@ -88,7 +88,7 @@ def system(spec, prompt: str, new_tokens: int) -> dict:
             ids += new_ids
         seconds = time.perf_counter() - start
     finally:
-        spec._release = release
+        spec.kept.release = release
     return {"ids": ids, "ttft_s": first, "seconds": seconds, "tokens_per_s": stats.new_tokens / seconds,
             "new_tokens": stats.new_tokens, "tokens_per_call": stats.tokens_per_cycle,
             "token_acceptance": stats.token_acceptance, "alone_cycles": stats.alone_cycles,

@@ -16,7 +16,7 @@ Cache layout (``<cache>`` is ``$XTOKSPEC_CACHE`` or ``~/.cache/xtokspec/real``):
 Command line, from a checkout: ``python benchmarks/real_models.py [--cache DIR] [--keep-raw] [--force]
 [names...]``. This is benchmark plumbing, kept out of the xtokspec package on purpose: the library itself
 downloads nothing; ``xtokspec bench --preset real`` only reads the converted folders
-(``xtokspec.bench.real_model_dir``).
+(``xtokspec.cli.presets.real_model_dir``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from xtokspec.bench import CACHE_ENV, MARKER_FILE, real_models_root
+from xtokspec.cli.presets import CACHE_ENV, MARKER_FILE, real_models_root
 from xtokspec.types import XTokSpecError
 
 FETCH_COMMAND = "python benchmarks/real_models.py"

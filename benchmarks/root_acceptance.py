@@ -33,9 +33,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from xtokspec import XTokSpec, sampling, tree
-from xtokspec.bench import REAL_PROMPTS, load_preset
-from xtokspec.models import fixtures_dir
+from xtokspec import XTokSpec
+from xtokspec.cli.bench import REAL_PROMPTS
+from xtokspec.cli.presets import load_preset
+from xtokspec.decode import sampling, tree
+from xtokspec.runtime.models import fixtures_dir
 from xtokspec.types import SamplingParams
 
 WIDTHS = (1, 2, 4, 8)

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 from transformers.generation.candidate_generator import AssistantToTargetTranslator
 
-from xtokspec import XTokSpec, sampling
-from xtokspec.bench import REAL_PROMPTS, load_preset
-from xtokspec.models import fixtures_dir
+from xtokspec import XTokSpec
+from xtokspec.cli.bench import REAL_PROMPTS
+from xtokspec.cli.presets import load_preset
+from xtokspec.decode import sampling
+from xtokspec.runtime.models import fixtures_dir
 from xtokspec.types import SamplingParams
 
 JAPANESE = re.compile(r"[\u3040-\u30ff\u3400-\u9fff]")

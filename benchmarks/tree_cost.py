@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from xtokspec.bench import real_model_dir, real_models_root
-from xtokspec.cache import ModelState
-from xtokspec.models import CPU_LINEARS, onednn_linears, resolve
-from xtokspec.tree import Trie
+from xtokspec.cli.presets import real_model_dir, real_models_root
+from xtokspec.decode.tree import Trie
+from xtokspec.runtime.cache import ModelState
+from xtokspec.runtime.models import CPU_LINEARS, onednn_linears, resolve
 
 NODES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 

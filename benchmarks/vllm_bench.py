@@ -136,7 +136,7 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int) -> tuple[float, 
 def measure(name: str, extra: dict, prompts: list[str], args, chosen: dict) -> dict:
     from vllm import LLM
 
-    from xtokspec.vllm import TextBridgeProposer
+    from xtokspec.vllm.proposer import TextBridgeProposer
 
     known = [weakref.ref(p) for p in TextBridgeProposer.instances]  # an earlier system's, not yet collected
     llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,

@@ -1,5 +1,6 @@
 """Deliberately wrong versions of xtokspec's samplers, for the negative controls (each must fail the check the
-right one passes). Patched in where the loop calls the original."""
+right one passes). Handed to the verifier through `decode.verify.SamplerOps` (XTokSpec.sampler_ops), or called
+directly where a test runs the verifier's function itself."""
 
 from __future__ import annotations
 

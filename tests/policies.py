@@ -3,7 +3,7 @@ made-up `CycleRecord`s for the policies' unit tests, and a simulated clock for t
 
 from __future__ import annotations
 
-from xtokspec.types import ALONE, CycleRecord
+from xtokspec.types import CycleRecord
 
 
 class Scripted:
@@ -41,7 +41,7 @@ def drafted(draft_steps: int, depth: int, accepted: int, draft_s: float, verify_
             predicted: float | None = None, committed: int | None = None, bridge_s: float = 0.0) -> CycleRecord:
     """A drafted cycle's record; verify_s None: a prefilling cycle (its verification also fed the prompt)."""
     nodes = depth if nodes is None else nodes
-    return CycleRecord(
+    return CycleRecord.drafted(
         kind="onehot", draft_steps=draft_steps, depth=depth, nodes=nodes, accepted=accepted,
         rejected=accepted < depth if rejected is None else rejected,
         committed=accepted + 1 if committed is None else committed, draft_s=draft_s, bridge_s=bridge_s,
@@ -51,13 +51,13 @@ def drafted(draft_steps: int, depth: int, accepted: int, draft_s: float, verify_
 
 def alone(seconds: float) -> CycleRecord:
     """A target-alone cycle's record."""
-    return CycleRecord(ALONE, 0, 0, 0, 0, False, 1, 0.0, 0.0, seconds, False)
+    return CycleRecord.target_alone(committed=1, seconds=seconds, prefill=False)
 
 
 class SimulatedClock:
-    """The loop's clock (`time.perf_counter` in xtokspec.loop and xtokspec.types), advanced only where a test
-    says: by a model's forwards, the seconds each is given (`costs`), or by hand (`now`). The policies see the
-    same timings on any machine, under any load."""
+    """The loop's clock (`XTokSpec.clock`, which every second the loop and its policies see is read from),
+    advanced only where a test says: by a model's forwards, the seconds each is given (`costs`), or by hand
+    (`now`). The policies see the same timings on any machine, under any load."""
 
     def __init__(self):
         self.now = 0.0
@@ -76,11 +76,9 @@ class SimulatedClock:
 
 
 def simulated_clock(monkeypatch) -> SimulatedClock:
-    """A SimulatedClock that the loop's timings read (the test's monkeypatch puts the real clock back)."""
-    import xtokspec.loop
-    import xtokspec.types
+    """A SimulatedClock handed to every XTokSpec as its clock (the test's monkeypatch puts the real one back)."""
+    from xtokspec import XTokSpec
 
     clock = SimulatedClock()
-    monkeypatch.setattr(xtokspec.loop, "time", clock)
-    monkeypatch.setattr(xtokspec.types, "time", clock)
+    monkeypatch.setattr(XTokSpec, "clock", staticmethod(clock.perf_counter))
     return clock

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from model_helpers import load_script
 
-from xtokspec import XTokSpecError, bench
+from xtokspec import XTokSpecError
+from xtokspec.cli import presets as bench
 
 assets = load_script("benchmarks/real_models.py")
 REAL_MODELS, ChecksumError, MissingModelError = assets.REAL_MODELS, assets.ChecksumError, assets.MissingModelError
@@ -143,7 +144,7 @@ def test_converted_qwen_tokenizer_loads() -> None:
 
 
 def test_the_library_only_reads_converted_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """xtokspec.bench finds what the script converted, and names the script when a model is missing."""
+    """xtokspec.cli.presets finds what the script converted, and names the script when a model is missing."""
     monkeypatch.setenv(bench.CACHE_ENV, str(tmp_path))
     with pytest.raises(XTokSpecError, match=r"python benchmarks/real_models.py gemma-3-270m"):
         bench.real_model_dir("gemma-3-270m")
@@ -160,7 +161,7 @@ def test_the_package_holds_no_download_code() -> None:
     package = Path(xtokspec.__file__).parent
     for source in package.glob("*.py"):
         text = source.read_text(encoding="utf-8")
-        # NOTE: imports, not words: "requests" is also what a server serves (xtokspec/vllm.py)
+        # NOTE: imports, not words: "requests" is also what a server serves (xtokspec/vllm/proposer.py)
         imports = re.findall(r"^\s*(?:import|from)\s+(requests|urllib\S*|httpx|huggingface_hub)\b", text, flags=re.M)
         assert "pip\", \"download" not in text and not imports, (source, imports)
 

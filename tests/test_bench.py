@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from xtokspec.cli import main
-from xtokspec.models import fixtures_dir
-from xtokspec.report import (
+from xtokspec.cli.main import main
+from xtokspec.cli.report import (
     Run,
     comparisons,
     eos_check,
@@ -17,6 +16,7 @@ from xtokspec.report import (
     summarize,
     theoretical_speedup,
 )
+from xtokspec.runtime.models import fixtures_dir
 from xtokspec.types import GenerationStats
 
 
@@ -52,7 +52,7 @@ def test_comparisons_only_lists_pairs_that_ran():
 
 
 def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its_pruned_twin():
-    from xtokspec.report import tree_pairs
+    from xtokspec.cli.report import tree_pairs
 
     pairs = tree_pairs(["xtokspec-bridged", "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-all",
                         "xtokspec-bridged-tree4-top"])
@@ -64,7 +64,7 @@ def test_tree_systems_are_compared_with_the_chains_and_an_unpruned_tree_with_its
 
 
 def test_trimmed_head_systems_are_compared_with_their_full_head_twins():
-    from xtokspec.report import tree_pairs, trim_pairs
+    from xtokspec.cli.report import tree_pairs, trim_pairs
 
     names = ["xtokspec-bridged", "xtokspec-bridged-trim", "xtokspec-bridged-auto", "xtokspec-bridged-auto-trim",
              "xtokspec-bridged-tree4", "xtokspec-bridged-tree4-trim"]
@@ -163,7 +163,8 @@ def test_bench_compile_runs_every_xtokspec_system_compiled_and_warmed_up(monkeyp
     before any is timed."""
     import torch
 
-    from xtokspec.bench import load_preset, run_benchmark
+    from xtokspec.cli.bench import run_benchmark
+    from xtokspec.cli.presets import load_preset
     from xtokspec.spec import XTokSpec
 
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
@@ -187,8 +188,9 @@ def test_bench_default_is_the_default_configuration_eager_on_a_cpu(monkeypatch):
     reach the systems' config."""
     import torch
 
-    from xtokspec.bench import load_preset, run_benchmark
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.bench import run_benchmark
+    from xtokspec.cli.main import build_parser
+    from xtokspec.cli.presets import load_preset
     from xtokspec.spec import XTokSpec
 
     warmed = []
@@ -215,8 +217,9 @@ def test_captured_systems_run_beside_transformers_static_cache_target(monkeypatc
     hooks). On a CPU without --compile there is no target-static."""
     import torch
 
-    from xtokspec.bench import load_preset, run_benchmark
-    from xtokspec.report import comparisons
+    from xtokspec.cli.bench import run_benchmark
+    from xtokspec.cli.presets import load_preset
+    from xtokspec.cli.report import comparisons
 
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
     models = load_preset("fixtures", torch.float32)

@@ -9,8 +9,8 @@ import vocabs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtokspec.bridge import PrefixIndex, TextSync, build_token_map, common_prefix_len, propose_target_ids
-from xtokspec.codec import TokenCodec, utf8_valid_prefix_len
+from xtokspec.text.bridge import PrefixIndex, TextSync, build_token_map, common_prefix_len, propose_target_ids
+from xtokspec.text.codec import TokenCodec, utf8_valid_prefix_len
 from xtokspec.types import XTokSpecError
 
 
@@ -279,7 +279,7 @@ def test_fragment_tokenizer_from_components_equals_the_json_copy(sp_tokenizer, b
     """The fast fragment tokenizer (shared model, rebuilt components) encodes exactly as the full JSON copy."""
     from model_helpers import FIXTURES
 
-    from xtokspec.codec import _fragment_tokenizer_from_json, fragment_tokenizer
+    from xtokspec.text.codec import _fragment_tokenizer_from_json, fragment_tokenizer
 
     texts = (FIXTURES / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()[:200]
     texts += [" テスト", "a  b\tc", "<s>x</s><|endoftext|>", "𠮷😀", "\n\nが", "ｶﾀｶﾅ"]
@@ -294,7 +294,7 @@ def test_fragment_tokenizer_keeps_interleaved_added_token_ids():
     """Special and ordinary added tokens outside the vocabulary, interleaved: re-added in id order, same ids."""
     from tokenizers import AddedToken, Tokenizer, models
 
-    from xtokspec.codec import fragment_tokenizer
+    from xtokspec.text.codec import fragment_tokenizer
 
     backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
     backend.add_tokens([AddedToken("zz", special=False)])
@@ -444,7 +444,7 @@ def test_healing_chooses_the_last_id_again_from_the_logits_before_it(greedy_path
     """The draft's last id is "ab". Read without it, the draft prefers "abz" among the ids that start with "ab":
     that id takes its place and drafting goes on after it. Where it prefers "ab" itself, nothing is taken back and
     the first drafted id comes from the logits after "ab" (no forward more)."""
-    from xtokspec.propose import ChainProposer
+    from xtokspec.decode.propose import ChainProposer
     from xtokspec.types import Laps
 
     table = [b"", b"x", b"a", b"b", b"ab", b"abz", b"q"]
@@ -469,7 +469,7 @@ def test_the_first_drafted_tokens_restate_the_pending_text(greedy_path):
     """The draft prefers "x" everywhere; with "ab" to restate, its first token is the one it likes best among
     those starting with "ab" ("abz" over "ab"), or, where none does, "a" then "b" (each a prefix of what remains);
     after the restatement it drafts freely again."""
-    from xtokspec.propose import ChainProposer
+    from xtokspec.decode.propose import ChainProposer
     from xtokspec.types import Laps
 
     table = [b"", b"x", b"a", b"b", b"ab", b"abz", b"q"]

@@ -7,8 +7,8 @@ import torch
 from model_helpers import tiny_llama, tiny_neox
 
 from xtokspec import SpecConfig, XTokSpecError
-from xtokspec.cache import ModelState
-from xtokspec.kv import CACHE_BACKENDS, cache_keyword, choose_backend
+from xtokspec.runtime.cache import ModelState
+from xtokspec.runtime.kv import CACHE_BACKENDS, cache_keyword, choose_backend
 
 BACKENDS = pytest.mark.parametrize("backend", CACHE_BACKENDS)
 
@@ -55,7 +55,7 @@ def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer, prefix)
     """Pins what the static backend relies on: both layer kinds write at their length (transformers' StaticLayer,
     which compiled steps use: cumulative_length + arange(T); xtokspec's eager prefix layer: a Python int) into
     buffers that a rollback leaves in place, and the prefix layer attends over the written positions only."""
-    from xtokspec.kv import StaticKV
+    from xtokspec.runtime.kv import StaticKV
 
     model = tiny_llama(sp_tokenizer, seed=5)
     state = ModelState(model, [1, 5, 6, 7, 8, 9], "static", capacity=16)
@@ -83,7 +83,7 @@ def test_static_rollback_moves_a_length_and_copies_nothing(sp_tokenizer, prefix)
 def test_eager_static_logits_equal_dynamic(sp_tokenizer):
     """The prefix layer (no mask for one-token steps, a shorter one otherwise) computes what the dynamic cache does,
     through a prefill, one-token steps, a rollback and a multi-token forward."""
-    from xtokspec.kv import PrefixStaticLayer
+    from xtokspec.runtime.kv import PrefixStaticLayer
 
     model = tiny_llama(sp_tokenizer, seed=8)
     states = [ModelState(model, [1, 5, 6, 7, 8, 9], backend, capacity=32) for backend in ("dynamic", "static")]
@@ -191,7 +191,7 @@ def test_static_buffers_pass_from_one_generation_to_the_next(tiny_target, bpe_to
     for prompt in ["東京", "使用する C コンパイラが", "𠮷野家の牛丼"]:
         result = spec.generate(prompt, max_new_tokens=12)
         assert result.token_ids == target_generate(*tiny_target, prompt, 12), prompt
-        kept.append([spec._idle_kv[id(m)] for m in (spec.target_model, spec.draft_model)])
+        kept.append([spec.kept.idle_kv[id(m)][0] for m in (spec.target_model, spec.draft_model)])
     assert all(k[0] is kept[0][0] and k[1] is kept[0][1] for k in kept)
     assert kept[0][0].prefix and kept[0][0].capacity == 256  # eager (prefix attention), the smallest size class
 
@@ -229,7 +229,7 @@ def test_streams_open_at_once_never_share_a_static_buffer(tree_width, tiny_targe
                 done[i] = piece is None
                 texts[i] += piece or ""
     assert texts == alone
-    assert len(spec._idle_kv) == 2  # one buffer per model, kept for the next generation
+    assert [len(idle) for idle in spec.kept.idle_kv.values()] == [1, 1]  # one buffer per model, kept for the next generation
 
 
 # The static cache's sampled one-hot path, sample for sample against the dynamic cache, whose law

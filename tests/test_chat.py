@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xtokspec import XTokSpec, XTokSpecError
-from xtokspec.chat import DraftView, render
+from xtokspec.text.chat import DraftView, render
 
 # "<s>" is a special token of the fixture target's tokenizer (ja-sp) and not of the draft's (ja-bpe);
 # "<|endoftext|>" is the draft's and not the target's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xtokspec.cli import main
+from xtokspec.cli.main import main
 
 
 @pytest.mark.slow
@@ -217,7 +217,7 @@ def test_bundled_names_are_the_defaults(no_models):
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.main import build_parser
 
     parser = build_parser()
     generate = parser._subparsers._group_actions[0].choices["generate"]
@@ -232,7 +232,7 @@ def test_every_option_has_help_and_shows_its_default(capsys):
 
 def test_bench_help_describes_every_option(capsys):
     """`xtokspec bench --help`: a description, help on every option with its default, the --modes syntax."""
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.main import build_parser
 
     parser = build_parser()
     bench = parser._subparsers._group_actions[0].choices["bench"]
@@ -252,7 +252,7 @@ def test_bench_help_describes_every_option(capsys):
 
 
 def test_seed_help_states_when_a_sample_repeats(capsys):
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
@@ -321,7 +321,7 @@ def test_cli_and_api_give_the_same_text(capsys):
 
 @pytest.mark.slow
 def test_compare_runs_the_target_alone_and_prints_the_speedup(capsys):
-    from xtokspec.cli import main
+    from xtokspec.cli.main import main
 
     assert main(["generate", "表計算ドキュメントのセル範囲は、", "--max-new-tokens", "16", "--compare"]) == 0
     err = capsys.readouterr().err

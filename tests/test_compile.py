@@ -16,7 +16,13 @@ from model_helpers import tiny_llama, tiny_neox
 from policies import scripted, simulated_clock
 
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.compile import COMPILE_BUCKETS, CompiledStep, GraphCaptureError, GraphedStep, choose_step
+from xtokspec.runtime.compile import (
+    COMPILE_BUCKETS,
+    CompiledStep,
+    GraphCaptureError,
+    GraphedStep,
+    choose_step,
+)
 
 PROMPTS = ["使用する C コンパイラが", "ファイルシステムをマウントするには", "𠮷野家の牛丼"]
 
@@ -34,7 +40,7 @@ def test_compile_needs_the_static_cache(tiny_target, bpe_tokenizer):
     model whose layers cannot use the static cache, when the backend is chosen."""
     with pytest.raises(XTokSpecError, match="compile=True needs the static cache"):
         SpecConfig(compile=True, cache="dynamic")
-    from xtokspec.kv import choose_backend
+    from xtokspec.runtime.kv import choose_backend
 
     target = tiny_target[0]
     assert choose_backend(target, "auto", compiled=True) == "static"
@@ -66,7 +72,7 @@ def test_a_caches_first_forward_runs_eagerly_then_through_the_step(sp_tokenizer)
     """transformers' StaticLayer marks its buffers as static addresses only when initialised outside a compiled
     region; initialised inside one, torch.compile skipped CUDA graphs on an H100 ("mutated inputs"). So the
     prefill, even a short one, runs eagerly, and the step serves only the forwards after it."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     model = tiny_llama(sp_tokenizer, seed=3)
     calls = []
@@ -139,7 +145,7 @@ def test_cycles_that_compile_a_shape_are_left_out_of_the_policies(sp_tokenizer, 
     result = spec.generate(PROMPTS[1], max_new_tokens=24)  # a fixed K: its few shapes are soon all compiled
     assert result.token_ids == target_ids(target, PROMPTS[1], 24)
     assert clock.now >= 30.0 and result.stats.target_forwards > 5  # shapes were compiled during the generation
-    (drafting, draft_length), = spec._learned.values()
+    (drafting, draft_length), = spec.kept.learned.values()
     assert drafting.cycles > 0 and drafting.seconds == 0.0
     assert draft_length.draft_step == 0.0 and draft_length.verify_cost.sums[3] == 0.0  # verification seconds
 
@@ -163,7 +169,7 @@ def test_new_prompt_lengths_reuse_the_compiled_graphs_and_buffers(tree_width, ti
     caplog.set_level(logging.INFO, logger="xtokspec")
     for prompt in ["東京", *PROMPTS]:  # 2 to 13 target ids
         spec.generate(prompt, max_new_tokens=12)
-        caches.append([spec._idle_kv[id(model)] for model in (spec.target_model, spec.draft_model)])
+        caches.append([spec.kept.idle_kv[id(model)][0] for model in (spec.target_model, spec.draft_model)])
     reasons = [str(reason) for failures in guard_failures.values() for reason in failures]
     assert reasons, "no recompilation at all: the guard record is not being read"
     # the cache's guard names the forward's keyword: 'cache' from transformers 5.24 on, 'past_key_values' before
@@ -185,7 +191,7 @@ def test_a_compiled_move_keeps_an_accepted_path_off_the_first_branch(sp_tokenize
     """keep_path moves an accepted path that is not nodes 1, 2, ... into place: through a compiled step with one
     captured call for every layer (inductor for real here), padded to a bucket by positions copied onto
     themselves. The cache then holds exactly the committed ids: the next forward equals a plain one."""
-    from xtokspec.compile import CompiledStep
+    from xtokspec.runtime.compile import CompiledStep
 
     model = tiny_llama(sp_tokenizer, seed=5)
     step = CompiledStep(model, "target")
@@ -197,7 +203,7 @@ def check_move_off_the_first_branch(model, step) -> None:
     """A tree verified through `step`, its accepted path (nodes 2 -> 3 -> 4: positions 1-3 past the prompt) moved
     into place by keep_path, then one more forward: the cache holds exactly the committed ids (the logits equal a
     plain forward's), and the move ran as a 3-position step padded to 4."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     prompt = list(range(30, 50))
     with torch.inference_mode():
@@ -255,8 +261,8 @@ def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_com
     """Token trees are captured too: the target verifies each trie, and the draft grows each level of its beam,
     in padded tree-masked calls through the compiled steps (an eager draft level costs 10x a captured step on an
     H100). The output is still the target's own."""
-    from xtokspec.cache import ModelState
-    from xtokspec.compile import CompiledStep
+    from xtokspec.runtime.cache import ModelState
+    from xtokspec.runtime.compile import CompiledStep
 
     calls = {"forward_tree": 0, "grow_tree": 0, "target tree step": 0, "draft tree step": 0}
 
@@ -291,13 +297,13 @@ def test_trees_run_through_the_compiled_steps_and_stay_lossless(draft, eager_com
     assert calls["target tree step"] == calls["forward_tree"] - len(prompts), calls
     assert calls["draft tree step"] == calls["grow_tree"] > 0, calls
     # the budget costs each bucket's size apart (1 uncached id + nodes = 1, 2, 4, 8, 16, 32), several by now
-    assert 2 <= len(spec._tree_size_times) and set(spec._tree_size_times) <= {0, 1, 3, 7, 15, 31}, spec._tree_size_times
+    assert 2 <= len(spec.kept.tree_size_times) and set(spec.kept.tree_size_times) <= {0, 1, 3, 7, 15, 31}, spec.kept.tree_size_times
 
 
 def test_a_reused_buffer_starts_empty_even_after_a_forward_that_raised(sp_tokenizer):
     """A generation that raised inside a forward can leave some layers' write positions ahead of the length the
     cache believes in; the next generation that takes the buffer over must still write from position 0."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     model = tiny_llama(sp_tokenizer, seed=4)
     step = lambda **kwargs: model(**kwargs)  # noqa: E731
@@ -339,9 +345,9 @@ def test_graphs_and_inductor_need_the_static_cache_auto_does_not():
 def on_cuda(monkeypatch):
     """The choice of path as for a model on a CUDA device: where compile.py looks for the model's device. Nothing
     runs on it (GraphedStep's constructor touches no device; no capture happens in these tests)."""
-    import xtokspec.compile
+    import xtokspec.runtime.compile
 
-    monkeypatch.setattr(xtokspec.compile, "input_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(xtokspec.runtime.compile, "input_device", lambda model: torch.device("cuda", 0))
 
 
 def _no_warnings():
@@ -409,7 +415,7 @@ def test_the_default_on_the_cpu_is_todays_eager_dynamic_path(tiny_target, bpe_to
         context.__exit__(None, None, None)
     assert result.stats.cache == "dynamic/dynamic" and result.stats.capture_seconds == 0
     assert result.token_ids == target_ids(tiny_target, PROMPTS[0], 12)
-    assert spec._steps == {id(spec.target_model): None, id(spec.draft_model): None} and spec.capture_seconds == 0
+    assert spec.kept.steps == {id(spec.target_model): None, id(spec.draft_model): None} and spec.capture_seconds == 0
 
 
 def test_graphs_asked_for_on_the_cpu_warn_and_run_eagerly(tiny_target, bpe_tokenizer):
@@ -421,7 +427,7 @@ def test_graphs_asked_for_on_the_cpu_warn_and_run_eagerly(tiny_target, bpe_token
 
 
 def test_cli_compile_words():
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.main import build_parser
 
     parser = build_parser()
     parsed = {word: parser.parse_args(["generate", "東京", "--compile", word]).compile
@@ -443,7 +449,7 @@ def uncaptured(monkeypatch, caplog):
     forward eagerly over the graph's input buffers. Everything around the capture runs as on CUDA (which model
     gets a step, the input buffers and their copies, the in-graph causal mask and positions, graphs keyed by
     cache and shape, the move's indices, the log lines); the capture and replay themselves are tests/test_gpu.py's."""
-    import xtokspec.compile
+    import xtokspec.runtime.compile
 
     recorded = []
 
@@ -451,7 +457,7 @@ def uncaptured(monkeypatch, caplog):
         recorded.append(step.role)
         return run
 
-    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(xtokspec.runtime.compile, "graphs_blocker", lambda model, cache="auto": None)
     monkeypatch.setattr(GraphedStep, "_record", record)
     caplog.set_level(logging.INFO, logger="xtokspec")
     return recorded
@@ -465,7 +471,7 @@ def test_graphed_steps_are_lossless_and_reused_across_prompts(tree_width, uncapt
     spec = XTokSpec(target, draft, config=SpecConfig(compile="graphs", adaptive=False, num_draft_tokens=3,
                                                      tree_width=tree_width))
     shapes = spec.warmup(max(PROMPTS, key=len), max_new_tokens=24, progress=False)
-    steps = [spec._steps[id(model)] for model in (spec.target_model, spec.draft_model)]
+    steps = [spec.kept.steps[id(model)] for model in (spec.target_model, spec.draft_model)]
     assert all(isinstance(step, GraphedStep) for step in steps)
     graphs = {id(step): dict(step.graphs) for step in steps}
     assert len(uncaptured) == sum(len(g) for g in graphs.values()) == shapes  # one recording per shape
@@ -491,7 +497,7 @@ def test_a_larger_cache_gets_its_own_graphs_and_old_ones_are_let_go(uncaptured, 
     """A graph writes into the buffers it was recorded with: a cache too small for a generation is replaced by a
     larger one, which gets graphs of its own (keyed by the cache); past two caches the oldest one's graphs are
     dropped, and with them their hold on its buffers. A cache taken over by the next generation keeps its graphs."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     model = tiny_llama(sp_tokenizer, seed=3, max_positions=2048)
     step = GraphedStep(model, "target")
@@ -509,12 +515,12 @@ def test_a_larger_cache_gets_its_own_graphs_and_old_ones_are_let_go(uncaptured, 
 
 
 def test_a_failed_capture_runs_eagerly_with_a_warning(monkeypatch, sp_tokenizer, bpe_tokenizer):
-    import xtokspec.compile
+    import xtokspec.runtime.compile
 
     def refuse(step, run, restore):
         raise GraphCaptureError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(xtokspec.runtime.compile, "graphs_blocker", lambda model, cache="auto": None)
     monkeypatch.setattr(GraphedStep, "_record", refuse)
     target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
     spec = XTokSpec(target, (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer), config=SpecConfig(compile="graphs"))
@@ -522,14 +528,14 @@ def test_a_failed_capture_runs_eagerly_with_a_warning(monkeypatch, sp_tokenizer,
                                          "operation not permitted when stream is capturing"):
         result = spec.generate(PROMPTS[2], max_new_tokens=16)
     assert result.token_ids == target_ids(target, PROMPTS[2], 16)
-    assert all(spec._steps[id(m)].eager_reason for m in (spec.target_model, spec.draft_model))
-    assert all(not spec._steps[id(m)].graphs for m in (spec.target_model, spec.draft_model))
+    assert all(spec.kept.steps[id(m)].eager_reason for m in (spec.target_model, spec.draft_model))
+    assert all(not spec.kept.steps[id(m)].graphs for m in (spec.target_model, spec.draft_model))
 
 
 def test_a_chain_steps_mask_and_positions_come_from_the_caches_length(uncaptured, sp_tokenizer):
     """A graph cannot take the cache's length from the host: a chain step's causal mask and positions are made
     on the device from the cache's own length tensor, so one recorded step serves every position."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     model = tiny_llama(sp_tokenizer, seed=3)
     step = GraphedStep(model, "target")
@@ -552,7 +558,7 @@ def test_warm_up_forwards_before_a_capture_leave_the_cache_as_they_found_it(tree
     then replays: the warm-ups write the cache and move its length, which must be put back, and a move's
     warm-ups must move nothing (a move run twice is not one move). A recorder that runs the warm-ups as the CUDA
     one does, then replays eagerly: the output is still the target's own."""
-    import xtokspec.compile
+    import xtokspec.runtime.compile
 
     def record(step, run, restore):
         for _ in range(step.WARMUP_CALLS):
@@ -560,7 +566,7 @@ def test_warm_up_forwards_before_a_capture_leave_the_cache_as_they_found_it(tree
             restore()
         return run
 
-    monkeypatch.setattr(xtokspec.compile, "graphs_blocker", lambda model, cache="auto": None)
+    monkeypatch.setattr(xtokspec.runtime.compile, "graphs_blocker", lambda model, cache="auto": None)
     monkeypatch.setattr(GraphedStep, "_record", record)
     target = (tiny_llama(sp_tokenizer, seed=11), sp_tokenizer)
     draft = (tiny_neox(bpe_tokenizer, seed=12), bpe_tokenizer)

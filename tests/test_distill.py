@@ -11,10 +11,11 @@ import pytest
 import torch
 from model_helpers import tiny_llama, tiny_neox
 
-from xtokspec import XTokSpec, XTokSpecError, distill_eval
-from xtokspec import distill as distill_module
-from xtokspec.cli import main
-from xtokspec.distill import (
+from xtokspec import XTokSpec, XTokSpecError
+from xtokspec.cli.main import main
+from xtokspec.distill import evaluate as distill_eval
+from xtokspec.distill import pipeline as distill_module
+from xtokspec.distill.pipeline import (
     REPORT_FILE,
     DistillSettings,
     distill,
@@ -289,7 +290,7 @@ def test_cli_distills_model_folders(pair, tmp_path, capsys):
 def test_token_level_targets_sit_where_both_tokenizations_start_a_token(bpe_tokenizer):
     import math
 
-    from xtokspec.codec import TokenCodec
+    from xtokspec.text.codec import TokenCodec
 
     codec = TokenCodec(bpe_tokenizer, name="draft")
     prompt, continuation = "ユーザーは", "ファイルを表示する"  # ja-bpe: ユーザーは | ファイル | を表示する
@@ -318,7 +319,7 @@ def test_cut_records_end_where_the_bridge_leaves_the_draft_at_a_cycle_start(bpe_
     first part ends exactly at such a boundary, and the rest is the bridge's own encoding of the remaining text;
     the prompt stays out of the loss. Checked against a brute-force search for the cut; cut_share=0 changes
     nothing."""
-    from xtokspec.codec import TokenCodec
+    from xtokspec.text.codec import TokenCodec
 
     draft, target = TokenCodec(bpe_tokenizer, name="draft"), TokenCodec(sp_tokenizer, name="target")
     rng = random.Random(3)

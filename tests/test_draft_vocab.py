@@ -1,4 +1,4 @@
-"""The trimmed draft output head (XTokSpec.trim_draft_vocab, xtokspec.models.trimmed_draft): the view computes
+"""The trimmed draft output head (XTokSpec.trim_draft_vocab, xtokspec.runtime.models.trimmed_draft): the view computes
 the kept ids' logits exactly as the full head does and -inf elsewhere, leaves the user's model as it was, keeps
 what it promises to keep, refuses what it cannot trim, and stays lossless (greedy here; sampling in
 tests/test_stats.py)."""
@@ -25,7 +25,7 @@ def trimmed_spec(ja_target, ja_draft_bpe, heldout_prompts):
 
 
 def test_trimmed_head_equals_the_full_head_on_kept_ids(ja_draft_bpe):
-    from xtokspec.models import trimmed_draft
+    from xtokspec.runtime.models import trimmed_draft
 
     model, tokenizer = ja_draft_bpe
     keep = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:500].sort().values
@@ -50,7 +50,7 @@ def test_trimmed_head_equals_the_full_head_on_kept_ids(ja_draft_bpe):
 def test_choose_draft_vocab_keeps_eos_bytes_and_the_most_frequent_ids(bridged_spec):
     from model_helpers import FIXTURES
 
-    from xtokspec.models import choose_draft_vocab
+    from xtokspec.runtime.models import choose_draft_vocab
 
     codec = bridged_spec.draft
     always = bridged_spec.draft_eos
@@ -83,7 +83,7 @@ def test_choose_draft_vocab_keeps_eos_bytes_and_the_most_frequent_ids(bridged_sp
     ],
 )
 def test_choose_draft_vocab_refuses_bad_input(bridged_spec, texts, size, message):
-    from xtokspec.models import choose_draft_vocab
+    from xtokspec.runtime.models import choose_draft_vocab
 
     with pytest.raises(XTokSpecError, match=message):
         choose_draft_vocab(bridged_spec.draft, texts, size, bridged_spec.draft_eos)
@@ -93,7 +93,7 @@ def test_trimmed_draft_refuses_post_processed_logits(sp_tokenizer):
     """-inf under soft-capping would become a finite logit: such a draft is refused by name."""
     from model_helpers import tiny_llama
 
-    from xtokspec.models import trimmed_draft
+    from xtokspec.runtime.models import trimmed_draft
 
     model = tiny_llama(sp_tokenizer)
     model.config.final_logit_softcapping = 30.0
@@ -149,10 +149,10 @@ def test_a_frozen_bf16_head_on_the_cpu_is_warned_about(ja_draft_bpe, monkeypatch
 
     from model_helpers import load_fixture_model
 
-    import xtokspec.models
+    import xtokspec.runtime.models
     from xtokspec import XTokSpec
 
-    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: True)  # only the frozen head's warning
+    monkeypatch.setattr(xtokspec.runtime.models, "cpu_has_bf16_matmul", lambda: True)  # only the frozen head's warning
 
     model, tokenizer = load_fixture_model("ja-target")
     model = model.to(torch.bfloat16)
@@ -174,14 +174,14 @@ def test_a_bf16_target_on_a_cpu_without_bf16_units_is_warned_about(ja_draft_bpe,
 
     from model_helpers import load_fixture_model
 
-    import xtokspec.models
+    import xtokspec.runtime.models
     from xtokspec import XTokSpec
 
     model, tokenizer = load_fixture_model("ja-target")
     if model.device.type != "cpu":
         pytest.skip("a CPU case (XTOKSPEC_TEST_DEVICE is set)")
     draft = (copy.deepcopy(ja_draft_bpe[0]), ja_draft_bpe[1])
-    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(xtokspec.runtime.models, "cpu_has_bf16_matmul", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         XTokSpec((model, tokenizer), draft)  # float32
@@ -191,7 +191,7 @@ def test_a_bf16_target_on_a_cpu_without_bf16_units_is_warned_about(ja_draft_bpe,
         XTokSpec((model, tokenizer), draft)
     (note,) = [str(w.message) for w in caught if "bfloat16" in str(w.message)]
     assert len(note) < 200 and "\n" not in note and "docs/how-it-works.md" in note, note
-    monkeypatch.setattr(xtokspec.models, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(xtokspec.runtime.models, "cpu_has_bf16_matmul", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         XTokSpec((model, tokenizer), draft)

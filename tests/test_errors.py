@@ -203,7 +203,7 @@ def test_a_mistyped_draft_is_named_before_the_target_loads(draft, monkeypatch):
 
 
 def test_bundled_names_resolve_to_the_fixtures():
-    from xtokspec.models import fixtures_dir, resolve
+    from xtokspec.runtime.models import fixtures_dir, resolve
 
     for name in ("ja-target", "ja-draft-same", "ja-draft-bpe"):
         assert resolve(name, "target") == fixtures_dir() / "models" / name

@@ -18,9 +18,10 @@ import torch
 from policies import alone as alone_cycle
 from policies import drafted, scripted, simulated_clock
 
-from xtokspec import SpecConfig, XTokSpec, loop
-from xtokspec.codec import utf8_valid_prefix_len
-from xtokspec.policy import Fallback
+from xtokspec import SpecConfig, XTokSpec
+from xtokspec.decode import loop
+from xtokspec.decode.policy import Fallback
+from xtokspec.text.codec import utf8_valid_prefix_len
 
 pytestmark = pytest.mark.fallback
 

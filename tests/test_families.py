@@ -21,7 +21,7 @@ from model_helpers import FIXTURES, load_tokenizer, tiny_llama, tiny_neox
 from test_greedy import check_prompts
 
 from xtokspec import XTokSpec
-from xtokspec.codec import TokenCodec
+from xtokspec.text.codec import TokenCodec
 
 FAMILIES = FIXTURES / "tokenizers" / "families"
 TEXTS = [

@@ -181,7 +181,7 @@ def test_cuda_graphs_by_default_and_what_the_first_generate_spends_recording(cap
     assert first.stats.cache == "static/static+graphs" and first.token_ids == target_ids(target, PROMPTS[0], 32)
     assert first.stats.capture_seconds > 0 and captured and second.stats.capture_seconds == 0
     assert second.token_ids == first.token_ids
-    steps = [spec._steps[id(m)] for m in (spec.target_model, spec.draft_model)]
+    steps = [spec.kept.steps[id(m)] for m in (spec.target_model, spec.draft_model)]
     assert all(step.eager_reason is None and step.graphs for step in steps), [s.eager_reason for s in steps]
 
 
@@ -191,7 +191,7 @@ def test_sampling_under_cuda_graphs_matches_target(monkeypatch):
     on the GPU and every short forward a replay."""
     import test_stats as st
 
-    from xtokspec import sampling
+    from xtokspec.decode import sampling
 
     case = st.STATIC_INTERSECTION
     _, path, setting = case

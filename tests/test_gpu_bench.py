@@ -49,7 +49,7 @@ def test_loop_timer_brackets_every_model_call_and_restores(bridged_spec):
     bracketed time must be positive, below the wall time, and ModelState must be untouched afterwards."""
     import time
 
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     loop = load_script("benchmarks/gpu_loop.py")
     before = {name: getattr(ModelState, name) for name in loop.CallTimer.METHODS}

@@ -9,7 +9,7 @@ import torch
 from model_helpers import load_fixture_model
 from test_greedy import NEW_TOKENS, check_prompts
 
-from xtokspec.models import onednn_linears
+from xtokspec.runtime.models import onednn_linears
 from xtokspec.types import XTokSpecError
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from model_helpers import MODELS, ROOT
 
-from xtokspec.models import FIXTURE_NAMES
+from xtokspec.runtime.models import FIXTURE_NAMES
 
 PROMPT = "表計算ドキュメントのセル範囲は、"
 NEW_TOKENS = 24
@@ -29,10 +29,10 @@ RUN = """
 import sys
 if sys.argv[1]:
     sys.path.insert(0, sys.argv[1])
-import xtokspec, xtokspec.models
-from xtokspec.cli import main
+import xtokspec, xtokspec.runtime.models
+from xtokspec.cli.main import main
 print("PACKAGE", xtokspec.__file__, file=sys.stderr)
-print("FIXTURES", xtokspec.models.fixtures_dir(), file=sys.stderr, flush=True)
+print("FIXTURES", xtokspec.runtime.models.fixtures_dir(), file=sys.stderr, flush=True)
 sys.exit(main(["generate", *sys.argv[2:]]))
 """
 

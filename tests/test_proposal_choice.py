@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from xtokspec.policy import ProposalChooser
+from xtokspec.decode.policy import ProposalChooser
 
 
 def test_chooser_starts_with_the_static_rule_and_switches_on_a_clear_lead():

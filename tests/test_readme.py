@@ -57,7 +57,7 @@ def test_shell_command_is_known_and_parses(command):
         load_script(command[1]).build_parser().parse_args(command[2:])  # a benchmark script's own options
         return
     assert command[0] in ("xtokspec", ".venv/bin/xtokspec"), f"README command not covered by this test: {command}"
-    from xtokspec.cli import build_parser
+    from xtokspec.cli.main import build_parser
 
     build_parser().parse_args(command[1:])
 
@@ -69,7 +69,7 @@ def test_shell_command_is_known_and_parses(command):
     ids=lambda c: " ".join(c)[:60],
 )
 def test_generate_commands_run(command, capsys):
-    from xtokspec.cli import main
+    from xtokspec.cli.main import main
 
     assert main(command[1:]) == 0
     out, err = capsys.readouterr()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import reference
-from xtokspec import sampling
+from xtokspec.decode import sampling
 from xtokspec.types import SamplingParams, XTokSpecError
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.5, 0, 0.8), (1.0, 7, 0.6), (2.0, 1, 1.0)]

@@ -16,7 +16,7 @@ from model_helpers import WINDOW, tiny_gemma3, tiny_mistral
 from test_greedy import check_prompts
 
 from xtokspec import SpecConfig, XTokSpec
-from xtokspec.kv import SLIDING_SPARE, DynamicKV, cache_keyword
+from xtokspec.runtime.kv import SLIDING_SPARE, DynamicKV, cache_keyword
 
 PROMPTS = ["東京と京都の", "ファイルシステムをマウントするには", "あ"]
 NEW_TOKENS = 100  # prompt + output pass the window ~20 times, and the spare kept beyond it (SLIDING_SPARE)
@@ -72,8 +72,8 @@ def test_a_sliding_layer_keeps_its_window_plus_the_spare_and_refuses_a_rollback_
     """Memory per sliding layer is window - 1 + spare (+ one forward's ids) whatever the context; a rollback
     deeper than what is kept raises before changing anything, and ModelState then rebuilds the cache (exact,
     at a re-prefill's cost)."""
-    from xtokspec.cache import ModelState
-    from xtokspec.kv import RollbackTooDeep
+    from xtokspec.runtime.cache import ModelState
+    from xtokspec.runtime.kv import RollbackTooDeep
 
     model = gemma_sp[0]
     kv = DynamicKV(model, 1024, spare=4)
@@ -106,7 +106,7 @@ def test_a_sliding_layer_keeps_its_window_plus_the_spare_and_refuses_a_rollback_
 def test_branch_rows_of_a_sliding_cache_continue_where_the_cache_is(gemma_bpe):
     """A tree's batch rows copied from a sliding-window cache past its window give each row the logits of the
     model's own forward over the ids plus that row's token (their positions are the cache's length)."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     model = gemma_bpe[0]
     ids = list(range(5, 105))  # 100 ids: past the window and the spare it keeps

@@ -23,7 +23,8 @@ from mutants import unnormalised_walk
 
 import reference
 import reference.tree as reference_tree
-from xtokspec import sampling, tree
+from xtokspec.decode import sampling, tree
+from xtokspec.decode.verify import SamplerOps
 from xtokspec.types import SamplingParams
 
 NUM_TESTS = 19  # statistical tests in this file (test_budget_count checks it)
@@ -429,8 +430,10 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
               + (f", healed share {HEALED_RUNS[prompt, proposal]:.2f}" if path == "onehot" else "")]
     for flaw, where in CASE_CONTROLS[case]:
         with monkeypatch.context() as patch:
-            for name, flawed in FLAWS[flaw](where).items():
-                patch.setattr(sampling, name, flawed)
+            ops = FLAWS[flaw](where)
+            if "map_to_target" in ops:  # the intersection mapper's map, not a step of the verifier's sampler
+                patch.setattr(sampling, "map_to_target", ops.pop("map_to_target"))
+            patch.setattr(spec, "sampler_ops", SamplerOps(**ops))
             control, control_runs = run_control(
                 f"{'-'.join(case)} {flaw} {where}", exact, f"{flaw}, flawed at the {where} proposal",
                 lambda start, n: sample_continuations(spec, SETTINGS[setting], proposal, prompt, n, start)[0])
@@ -445,7 +448,7 @@ def test_end_to_end_sampling_matches_target(case, bridged_spec, same_spec, ja_ta
 # likeliest candidates, one-hot recursive rejection) and "sampled" (candidates drawn from the draft without
 # replacement and tested against its distribution; the default); below the root both use the one-hot rule.
 #
-# C1, tree_root="top". The negative controls replace `tree.walk_sampled` (the function the loop calls) by a
+# C1, tree_root="top". The negative controls hand the verifier (SamplerOps.walk) instead of `tree.walk_sampled` a
 # mutant that accepts the j-th child with p(c_j) instead of p(c_j) / (1 - mass of the rejected children) --
 # the missing renormalisation -- at the root only ("first") or below it only ("deep").
 # The renormalisation only matters at a node whose second (or later) child has target mass, so the prompts
@@ -531,7 +534,7 @@ def test_end_to_end_tree_sampling_matches_target(case, bridged_spec, same_spec, 
     report = [f"tree {backend} {path} {setting} (N={runs}): p={result.pvalue:.3g}, deep share {deep_share:.2f}"]
     for where in TREE_CONTROLS[case]:
         with monkeypatch.context() as patch:
-            patch.setattr(tree, "walk_sampled", unnormalised_walk(at_root=where == FIRST, below=where == DEEP))
+            patch.setattr(spec, "sampler_ops", SamplerOps(walk=unnormalised_walk(at_root=where == FIRST, below=where == DEEP)))
             control, control_runs = run_control(
                 f"tree {'-'.join(case)} {where}", exact, f"no renormalisation, {where}",
                 lambda start, n: sample_continuations(spec, SETTINGS[setting], "auto", prompt, n, start, **options)[0])
@@ -570,7 +573,7 @@ def test_end_to_end_sampled_root_tree_matches_target(case, bridged_spec, same_sp
 
 
 # ---------------------------------------------------------------- D. proposal="auto": kinds switched between cycles
-# The chooser (xtokspec.policy.ProposalChooser) is forced to switch kinds after every measured cycle, so that
+# The chooser (xtokspec.decode.policy.ProposalChooser) is forced to switch kinds after every measured cycle, so that
 # a run's cycles alternate between intersection and one-hot: what switching carries from one cycle to the
 # next (the text sync, the draft's cache, the chooser's rows) is on the tested path. Proof that any kind
 # chosen from past cycles is lossless: reference/exact.py, speculative_generate. The negative control is the
@@ -616,8 +619,8 @@ def sample_switching(spec, prompt, runs, start=0):
 @pytest.mark.stats
 @pytest.mark.slow
 def test_end_to_end_switching_proposal_kinds_matches_target(bridged_spec, ja_target, monkeypatch):
-    from xtokspec.mapping import IntersectionMap
-    from xtokspec.policy import ProposalChooser
+    from xtokspec.decode.mapping import IntersectionMap
+    from xtokspec.decode.policy import ProposalChooser
 
     prompt = PROMPTS[SWITCH_CASE[1:]]
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[SWITCH_CASE[2]])
@@ -697,14 +700,14 @@ def sample_switching_long(spec, runs, counter: LaterOnehotCycles | None = None, 
 @pytest.mark.stats
 @pytest.mark.slow
 def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_target, monkeypatch):
-    from xtokspec.policy import ProposalChooser
+    from xtokspec.decode.policy import ProposalChooser
 
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[LONG_SETTING])
     exact = exact_continuations(*ja_target, LONG_PROMPT, params, LONG_LENGTH, bridged_spec.target_eos)
     monkeypatch.setattr(ProposalChooser, "update", alternate)
     counter = LaterOnehotCycles()
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "next_token_distribution", counter)  # counts only
+        patch.setattr(bridged_spec, "sampler_ops", SamplerOps(next_token_distribution=counter))  # counts only
         samples, switched, reached = sample_switching_long(bridged_spec, LONG_RUNS, counter)
     assert switched >= MIN_SWITCHED_SHARE, f"only {switched:.0%} of runs used both kinds"
     assert reached >= MIN_LATER_ONEHOT_REJECTIONS, f"only {reached:.0%} of runs rejected a later one-hot proposal"
@@ -713,7 +716,7 @@ def test_end_to_end_switching_over_longer_runs_matches_target(bridged_spec, ja_t
     result = reference.assert_samples_match(samples, exact, ALPHA, "switching kinds, longer runs")
     with monkeypatch.context() as patch:
         flawed = LaterOnehotCycles(flawed=True)
-        patch.setattr(sampling, "next_token_distribution", flawed)
+        patch.setattr(bridged_spec, "sampler_ops", SamplerOps(next_token_distribution=flawed))
         control, control_runs = run_control(
             "longer later-onehot-residual", exact, "later one-hot residual",
             lambda start, n: sample_switching_long(bridged_spec, n, flawed, start)[0])
@@ -766,7 +769,7 @@ def draws_trimmed_only(keep: torch.Tensor, draft_vocab: int):
 @pytest.mark.slow
 def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, monkeypatch):
     from xtokspec import XTokSpec
-    from xtokspec.models import trimmed_draft
+    from xtokspec.runtime.models import trimmed_draft
 
     prompt = PROMPTS[TRIM_CASE[1:]]
     keep = trimmed_keep(bridged_spec)
@@ -817,7 +820,7 @@ def drafted_then_alone(policy) -> bool:
 
 def unwarped_alone(alone_cycle):
     """WRONG: a target-alone cycle samples the target's raw softmax, without the temperature and top-k."""
-    from xtokspec.verify import Sampler
+    from xtokspec.decode.verify import Sampler
 
     def flawed(run, remaining):
         sampler = run.sampler
@@ -851,7 +854,7 @@ def sample_with_alone_cycles(spec, prompt, runs, start=0):
 def test_end_to_end_sampling_with_target_alone_cycles_matches_target(bridged_spec, ja_target, monkeypatch):
     from policies import scripted
 
-    from xtokspec import loop
+    from xtokspec.decode import loop
 
     prompt = PROMPTS[ALONE_CASE[1:]]
     params = bridged_spec.sampling_params(do_sample=True, **SETTINGS[ALONE_CASE[2]])
@@ -918,7 +921,7 @@ def stale_sliding_rollback(self, n):
 @pytest.mark.stats2
 def test_end_to_end_sampling_past_a_sliding_window_matches_target(sp_tokenizer, monkeypatch):
     from xtokspec import XTokSpec
-    from xtokspec.kv import DynamicKV
+    from xtokspec.runtime.kv import DynamicKV
 
     target, draft = sliding_pair(sp_tokenizer)
     spec = XTokSpec((target, sp_tokenizer), (draft, sp_tokenizer))

@@ -10,11 +10,11 @@ from mutants import unnormalised_walk
 from test_greedy import HOSTILE_PROMPTS, NEW_TOKENS, check_prompts
 
 import reference.tree as ref
-import xtokspec.tree
+import xtokspec.decode.tree
 from xtokspec import SpecConfig, XTokSpec, XTokSpecError
-from xtokspec.cache import ModelState
-from xtokspec.compile import move_positions
-from xtokspec.tree import Trie, verify_tree_greedy, verify_tree_sampled
+from xtokspec.decode.tree import Trie, verify_tree_greedy, verify_tree_sampled
+from xtokspec.runtime.cache import ModelState
+from xtokspec.runtime.compile import move_positions
 
 
 def ancestors(trie: Trie, node: int) -> list[int]:
@@ -93,7 +93,7 @@ def test_the_tree_budget_maximises_expected_tokens_per_second():
     with verify(n) its fitted cost line and r the measured ratio of accepted to predicted nodes."""
     from policies import drafted
 
-    from xtokspec.policy import TreeBudget, VerifyCost
+    from xtokspec.decode.policy import TreeBudget, VerifyCost
 
     cost = VerifyCost()
     budget = TreeBudget(SpecConfig(tree_width=4), cost)
@@ -126,8 +126,8 @@ def test_a_captured_tree_is_costed_per_bucket():
     first), and a first call that compiled does not make its size look slow for good."""
     from policies import drafted
 
-    from xtokspec.compile import padded_length
-    from xtokspec.policy import TreeBudget, VerifyCost
+    from xtokspec.decode.policy import TreeBudget, VerifyCost
+    from xtokspec.runtime.compile import padded_length
 
     room = lambda n: padded_length(1 + n) - 1  # noqa: E731  (one uncached id before the nodes, as every cycle)
     cost = {1: 0.0110, 3: 0.0112, 7: 0.0120, 15: 0.0135, 31: 0.0170}  # the H100's shape: a step per bucket
@@ -170,7 +170,7 @@ def test_the_verification_cost_line_ignores_the_prompt_and_noise_from_equal_coun
     through the origin."""
     from policies import drafted
 
-    from xtokspec.policy import DraftLength
+    from xtokspec.decode.policy import DraftLength
 
     policy = DraftLength(SpecConfig(tree_width=4))
     cost = policy.verify_cost
@@ -188,7 +188,7 @@ def test_the_verification_cost_line_ignores_the_prompt_and_noise_from_equal_coun
 def test_pruned_trees_stay_lossless(node_cost, ja_target, ja_draft_bpe, heldout_prompts, monkeypatch):
     """Whatever the budget keeps, greedy output is the target's own: nodes that cost nothing are all
     verified; nodes that cost a second each are cut to one per cycle."""
-    from xtokspec.policy import VerifyCost
+    from xtokspec.decode.policy import VerifyCost
 
     monkeypatch.setattr(VerifyCost, "__call__", lambda self, m: 0.01 + node_cost * m)
     spec = XTokSpec(ja_target, ja_draft_bpe, config=SpecConfig(tree_width=4))
@@ -318,10 +318,10 @@ def random_case(seed: int, vocab: int = 6, nodes: int = 7):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize, monkeypatch):
-    """xtokspec.tree and reference.tree make the same decisions from the same draws (2,000 random tries); and so
+    """xtokspec.decode.tree and reference.tree make the same decisions from the same draws (2,000 random tries); and so
     do their negative controls (the walk without renormalisation: tests/mutants.py, reference's flag)."""
     if not renormalize:
-        monkeypatch.setattr(xtokspec.tree, "walk_sampled", unnormalised_walk())
+        monkeypatch.setattr(xtokspec.decode.tree, "walk_sampled", unnormalised_walk())
     agree_paths = 0
     for seed in range(2000):
         tokens, parents, probs, uniforms, noise = random_case(seed)
@@ -346,7 +346,7 @@ def test_torch_tree_verifier_equals_the_reference_on_the_same_noise(renormalize,
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_torch_sampled_root_equals_the_reference_on_the_same_noise(flat):
-    """A sampled root (children drawn from q, tested against it; one-hot below): xtokspec.tree and
+    """A sampled root (children drawn from q, tested against it; one-hot below): xtokspec.decode.tree and
     reference.tree make the same decisions from the same draws (2,000 random tries; `flat`: near-uniform p and q,
     where later children are often reached)."""
     agree_paths = stopped_at_root = 0
@@ -415,11 +415,11 @@ def test_greedy_tree_equals_target(draft, width, backend, ja_target, ja_draft_bp
     """Greedy token trees are lossless: the target's own generate, token for token (or a reported near-tie).
     "rows": the draft's beam as batch rows over a copy of its cache, the path of drafts with sliding-window
     layers (Gemma-3), forced here on the fixture draft."""
-    import xtokspec.cache
+    import xtokspec.runtime.cache
 
     rows = backend == "rows"
     if rows:
-        monkeypatch.setattr(xtokspec.cache, "sliding_layers", lambda model: ["sliding_attention"])
+        monkeypatch.setattr(xtokspec.runtime.cache, "sliding_layers", lambda model: ["sliding_attention"])
         backend = "dynamic"
     copies = []
     branches = ModelState.branches
@@ -475,7 +475,7 @@ def test_the_draft_length_policy_models_a_trees_first_level_apart():
     deep: the policy keeps the two acceptance rates apart (a chain's single rate would call it 50%)."""
     from policies import drafted
 
-    from xtokspec.policy import DraftLength
+    from xtokspec.decode.policy import DraftLength
 
     policy = DraftLength(SpecConfig(tree_width=4, num_draft_tokens=4))
     for _ in range(30):  # K draft steps of 1 ms; verifying 4 nodes per step costs 10 ms + 0.5 ms per node
@@ -497,7 +497,7 @@ def test_the_draft_length_policy_leaves_a_prefills_draft_seconds_out_of_a_draft_
     policy draft short for the next cycles."""
     from policies import drafted
 
-    from xtokspec.policy import DraftLength
+    from xtokspec.decode.policy import DraftLength
 
     policy = DraftLength(SpecConfig(num_draft_tokens=4))
     policy.observe(drafted(4, 4, 3, 2.0, None))  # a prefill: 2 s of draft forwards over a long prompt
@@ -508,7 +508,7 @@ def test_the_draft_length_policy_leaves_a_prefills_draft_seconds_out_of_a_draft_
 
 
 def test_the_residual_removes_rejected_children_and_falls_back_to_p_only_when_nothing_is_left():
-    from xtokspec.tree import residual
+    from xtokspec.decode.tree import residual
 
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     torch.testing.assert_close(residual(p, [0, 2]), torch.tensor([0.0, 0.3, 0.0, 0.0]))
@@ -532,7 +532,7 @@ def test_trees_need_a_target_that_takes_tree_masks_and_a_sliding_target_is_refus
     compiled = XTokSpec((target, sp_tokenizer), draft, config=SpecConfig(compile=True))
     with pytest.raises(XTokSpecError, match="attention implementation 'flex_attention'"):  # before compiling anything
         compiled.warmup("東京", max_new_tokens=4, tree_width=2, progress=False)
-    assert not compiled._steps
+    assert not compiled.kept.steps
     assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is False
     target.config._attn_implementation = "sdpa"
     assert ModelState(target, [5, 6], "dynamic", 16).grows_trees is True

@@ -1,4 +1,4 @@
-"""xtokspec's vLLM proposer (xtokspec/vllm.py).
+"""xtokspec's vLLM proposer (xtokspec/vllm/proposer.py).
 
 Without vLLM (every env): the rule that finds a request's state again from its token ids (`RequestTable`) on
 made-up rows (reordering, preemption, identical prompts, longest match first, state dropped, bounded over 1,000
@@ -33,14 +33,10 @@ import torch
 from model_helpers import MODELS, load_fixture_model, load_tokenizer
 
 from xtokspec.types import Laps, XTokSpecError
-from xtokspec.vllm import (
-    RequestDraft,
-    RequestTable,
-    TextBridgeProposer,
-    complete_prefix,
-    draft_together,
-    prefill_tail,
-)
+from xtokspec.vllm.batch import draft_together, prefill_tail
+from xtokspec.vllm.drafts import RequestDraft, complete_prefix
+from xtokspec.vllm.proposer import TextBridgeProposer
+from xtokspec.vllm.requests import RequestTable
 
 K = 3
 EOS = 2  # the fixture target's
@@ -159,7 +155,7 @@ def test_a_missing_or_unloadable_draft_is_refused_by_name(monkeypatch):
 
 
 def test_complete_prefix_stops_before_an_unfinished_character(sp_tokenizer):
-    from xtokspec.codec import TokenCodec
+    from xtokspec.text.codec import TokenCodec
 
     codec = TokenCodec(sp_tokenizer, 8000)
     text_ids = sp_tokenizer("𠮷野家")["input_ids"]  # 𠮷 is four byte-fallback pieces in ja-sp
@@ -176,7 +172,7 @@ def test_a_chat_requests_draft_reads_the_template_as_the_chat_entry_point_render
     "<s>", which the draft lacks, left out), not of the template's text spelled out."""
     import copy
 
-    from xtokspec.chat import render
+    from xtokspec.text.chat import render
 
     proposer = bridge_proposer()
     target = copy.deepcopy(proposer.target_tokenizer)
@@ -193,7 +189,7 @@ def test_a_chat_requests_draft_reads_the_template_as_the_chat_entry_point_render
 
 def waiting_states(model, prompts: list[list[int]], tails: list[int]) -> list:
     """One draft state per prompt as a request waits between two steps: all but its last `tail` ids in the cache."""
-    from xtokspec.cache import ModelState
+    from xtokspec.runtime.cache import ModelState
 
     out = []
     for prompt, tail in zip(prompts, tails, strict=True):
@@ -208,9 +204,9 @@ def test_batched_drafting_matches_one_request_at_a_time(ja_draft_bpe, heldout_pr
     """`draft_together` over five requests (caches of different lengths, 1 to 5 uncached ids, one that drafts
     an EOS) drafts the ids that drafting each alone drafts, and leaves each cache as drafting alone leaves it:
     the same ids, cached keys and values within float32 rounding, and the same logits at the next step."""
-    from xtokspec.cache import ModelState
-    from xtokspec.models import eos_ids
-    from xtokspec.propose import ChainProposer
+    from xtokspec.decode.propose import ChainProposer
+    from xtokspec.runtime.cache import ModelState
+    from xtokspec.runtime.models import eos_ids
 
     model, tokenizer = ja_draft_bpe
     eos = eos_ids(model, tokenizer)
@@ -253,7 +249,7 @@ def test_batched_drafting_with_a_sliding_window_draft_matches_one_request_at_a_t
     while the batch fits its window, leaves each cache as drafting alone does, and refuses a batch past it."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from xtokspec.propose import ChainProposer
+    from xtokspec.decode.propose import ChainProposer
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -386,6 +382,92 @@ def test_batched_and_one_at_a_time_drafting_propose_the_same(ja_target, heldout_
     assert batched.stats.batched_forwards > 0 and single.stats.batched_forwards == 0
 
 
+def faulty(function, every: int, first: int | None = None):
+    """`function`, except that every `every`-th call raises, starting with call `first` (default: `every`) (a stand-in for a bug inside the proposer); a plain
+    function, so that it binds as a method where it replaces one. Its `counts` say calls and faults raised."""
+    counts = {"calls": 0, "raised": 0}
+
+    def wrapper(*args, **kwargs):
+        counts["calls"] += 1
+        if counts["calls"] >= (first or every) and (counts["calls"] - (first or every)) % every == 0:
+            counts["raised"] += 1
+            raise RuntimeError("injected fault")
+        return function(*args, **kwargs)
+
+    wrapper.counts = counts
+    return wrapper
+
+
+FAULTS = {  # where a fault is injected: (object, attribute)
+    "draft_together": ("xtokspec.vllm.proposer", "draft_together"),  # batched drafting (several requests)
+    "chain": ("xtokspec.decode.propose.ChainProposer", "propose"),  # one request drafting alone
+    "mapper": ("xtokspec.decode.mapping.TextBridge", "commit"),
+    "prefill": ("xtokspec.vllm.proposer", "prefill_tail"),
+    "new state": ("xtokspec.vllm.drafts.RequestDraft", "__init__"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, batch", [("draft_together", 8), ("chain", 1), ("mapper", 1), ("mapper", 8),
+                                          ("prefill", 1), ("prefill", 8), ("new state", 1), ("new state", 8)])
+def test_a_fault_inside_the_proposer_costs_proposals_never_the_output(where, batch, ja_target, heldout_prompts,
+                                                                      monkeypatch, caplog):
+    """Faults injected every few calls into drafting (batched, or one request alone), a mapper's commit, a
+    prefill and a new state's construction, at batch 1 and 8: the engine goes on, every output is the target's greedy output, the failing requests get no
+    proposal at that step and new states afterwards, drafts are still accepted, and each kind of fault is logged
+    once."""
+    import importlib
+    import logging
+
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[12:12 + batch]]
+    module, _, cls = FAULTS[where][0].rpartition(".") if where in ("chain", "mapper", "new state") else (FAULTS[where][0], "", "")
+    owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+    # a prefill or a new state happens once per request: the first fails, the next step builds it anew
+    fault = faulty(getattr(owner, FAULTS[where][1]), every=5, first=1 if where in ("prefill", "new state") else None)
+    monkeypatch.setattr(owner, FAULTS[where][1], fault)
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+    caplog.set_level(logging.WARNING, logger="xtokspec")
+    engine = Engine(model, proposer, prompts, 20)
+    out = engine.run()
+    for n, prompt in enumerate(prompts):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
+        assert out[n] == reference, (where, n)
+    assert fault.counts["raised"] > 0 and proposer.stats.faults >= fault.counts["raised"], (fault.counts, proposer.stats)
+    assert engine.accepted > 0  # drafting went on around the faults
+    logged = [r for r in caplog.records if "proposes nothing this step" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]  # the same kind of fault, logged once
+
+
+def test_a_fault_outside_any_request_returns_no_proposals_and_starts_over(ja_target, heldout_prompts, monkeypatch):
+    """A fault while matching rows to requests: every row gets no proposal, every state is dropped, and the next
+    call builds new ones."""
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+    tokenizer = ja_target[1]
+    prompt = tokenizer(heldout_prompts[0])["input_ids"]
+    tokens = np.zeros((1, 600), dtype=np.int32)
+    tokens[0, : len(prompt)] = prompt
+    lengths = np.array([len(prompt)], dtype=np.int32)
+    assert len(proposer.propose([[prompt[-1]]], lengths, tokens)[0]) == K and proposer.states == 1
+    monkeypatch.setattr(proposer.table, "assign", faulty(proposer.table.assign, every=1))
+    assert proposer.propose([[prompt[-1]]], lengths, tokens) == [[]] and proposer.states == 0
+    monkeypatch.undo()
+    assert len(proposer.propose([[prompt[-1]]], lengths, tokens)[0]) == K and proposer.stats.new_states == 2
+
+
+def test_a_row_that_ends_with_the_targets_eos_drafts_nothing(ja_target, heldout_prompts):
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+    prompt = ja_target[1](heldout_prompts[1])["input_ids"]
+    rows = [prompt, prompt + [EOS]]
+    tokens = np.zeros((2, 600), dtype=np.int32)
+    for r, row in enumerate(rows):
+        tokens[r, : len(row)] = row
+    lengths = np.array([len(row) for row in rows], dtype=np.int32)
+    out = proposer.propose([[row[-1]] for row in rows], lengths, tokens)
+    assert len(out[0]) == K and out[1] == []
+    assert proposer.stats.draft_forwards == K  # the finished request cost no draft forward
+
+
 @pytest.mark.slow
 def test_healing_proposers_restate_and_the_output_stays_the_targets(ja_target, heldout_prompts):
     """Token healing in the proposer (xtokspec_draft_healing, on by default), batched and one request at a time:
@@ -410,16 +492,16 @@ def test_healing_proposers_restate_and_the_output_stays_the_targets(ja_target, h
 
 def counting_static_caches(monkeypatch) -> list:
     """Every StaticKV that ModelState makes from now on, in a list."""
-    import xtokspec.cache
+    import xtokspec.runtime.cache
 
     made = []
 
-    class Counted(xtokspec.cache.StaticKV):
+    class Counted(xtokspec.runtime.cache.StaticKV):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(xtokspec.cache, "StaticKV", Counted)
+    monkeypatch.setattr(xtokspec.runtime.cache, "StaticKV", Counted)
     return made
 
 
@@ -595,7 +677,7 @@ def hostile_requests(heldout: list[str]) -> list:
     the 4 byte-fallback pieces of 𠮷; inside an emoji), and one held-out prompt twice: submitted together."""
     from test_greedy import HOSTILE_PROMPTS
 
-    from xtokspec.codec import TokenCodec
+    from xtokspec.text.codec import TokenCodec
 
     tokenizer = load_tokenizer(MODELS / "ja-target")
     codec = TokenCodec(tokenizer)
@@ -722,8 +804,8 @@ def test_distill_continuations_through_vllm_are_the_targets(heldout_prompts, tmp
     own; a whole run through vLLM writes a draft that loads."""
     for name, value in VLLM_ENV.items():
         os.environ.setdefault(name, value)
-    from xtokspec.distill import distill
-    from xtokspec.distill_data import VllmGenerator, continue_prompts
+    from xtokspec.distill.data import VllmGenerator, continue_prompts
+    from xtokspec.distill.pipeline import distill
 
     model, tokenizer = load_fixture_model("ja-target")
     prompts = heldout_prompts[:6]

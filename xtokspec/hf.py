@@ -31,6 +31,16 @@ _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
+def custom_generate_for(spec):
+    """`spec`'s decoding loop as a `custom_generate` for its target's `generate` (XTokSpec.custom_generate)."""
+
+    def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        return hf_generate(spec, model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+    install(spec.target_model, custom_generate)
+    return custom_generate
+
+
 def install(model, fn) -> None:
     """Make `model.generate(custom_generate=fn, ...)` pass streamer, tokenizer and xtokspec's options to fn."""
     current = model._extract_generation_mode_kwargs

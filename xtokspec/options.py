@@ -11,7 +11,7 @@ import functools
 import inspect
 import warnings
 
-from .types import PROPOSAL_KINDS, SamplingParams, SpecConfig, XTokSpecError
+from .types import PROPOSAL_KINDS, ProposalKind, SamplingParams, SpecConfig, XTokSpecError
 
 # generation_config fields whose non-neutral values add logits processors xtokspec does not implement.
 NEUTRAL = {
@@ -92,23 +92,24 @@ def call_config(config: SpecConfig, num_draft_tokens=None, adaptive=None, tree_w
     return config
 
 
-def proposal_kind(same_vocab: bool, params: SamplingParams, proposal: str, tree_width: int = 1) -> str:
-    """The proposal kind a generation runs: "same-tokenizer", "greedy-bridge", "onehot", "intersection", or
-    "auto" (chosen each cycle between the last two)."""
+def proposal_kind(same_vocab: bool, params: SamplingParams, proposal: str, tree_width: int = 1) -> ProposalKind:
+    """The proposal kind a generation runs (types.ProposalKind): same-tokenizer, the greedy bridge, or for sampling
+    across tokenizers the one asked for ("onehot", "intersection", or "auto": chosen each cycle between them)."""
     if proposal not in PROPOSAL_KINDS:
         raise XTokSpecError(f"proposal must be 'auto', 'onehot' or 'intersection', got {proposal!r}")
+    asked = ProposalKind(proposal)
     if same_vocab:
-        return "same-tokenizer"
+        return ProposalKind.SAME_TOKENIZER
     if not params.do_sample:
-        return "greedy-bridge"
+        return ProposalKind.GREEDY_BRIDGE
     if tree_width > 1:  # a tree's root draws from the draft (tree_root), its other nodes are one-hot
-        if proposal == "intersection":
+        if asked is ProposalKind.INTERSECTION:
             raise XTokSpecError(
                 f"token trees (tree_width={tree_width}) choose their own proposals (SpecConfig.tree_root); "
                 "proposal='intersection' needs tree_width=1 (or use proposal='auto' / 'onehot')"
             )
-        return "onehot"
-    return proposal
+        return ProposalKind.ONEHOT
+    return asked
 
 
 def keyword_only(function) -> tuple[str, ...]:

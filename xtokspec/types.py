@@ -5,11 +5,24 @@ Nothing here knows about torch or transformers; every other module imports from 
 
 from __future__ import annotations
 
+import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
+
+
+class ProposalKind(enum.Enum):
+    """How a generation's proposals reach the target (options.proposal_kind chooses; decode.assemble builds the
+    mapper for it). The value is the name statistics and reports show."""
+
+    SAME_TOKENIZER = "same-tokenizer"  # one tokenizer: the draft's ids and distributions are the target's
+    GREEDY_BRIDGE = "greedy-bridge"  # two tokenizers, greedy: drafted text re-encoded as target ids
+    ONEHOT = "onehot"  # two tokenizers, sampling: the same, proposed one-hot
+    INTERSECTION = "intersection"  # sampling: ids with the same bytes in both vocabularies, with the draft's probs
+    AUTO = "auto"  # sampling: one-hot or intersection, chosen each cycle (policy.ProposalChooser)
 CACHE_CHOICES = ("auto", "dynamic", "static")
 # SpecConfig.compile: "auto" (CUDA graphs on a GPU where the models allow them, eager elsewhere), "graphs" (CUDA
 # graphs), "inductor" (torch.compile; True means the same), False (eager)
@@ -85,7 +98,9 @@ class SpecConfig:
     max_draft_tokens: int = 12  # upper bound for the adaptive choice of K
     adaptive: bool = True  # choose K each cycle from measured costs and acceptance
     draft_confidence: float = 0.0  # stop drafting early when the draft's probability of its token is below this
-    draft_lookbehind: int = 2  # kept draft ids re-encoded with new committed text (+15% tokens/call measured)
+    # kept draft ids re-encoded together with new committed text, so that the draft's recent context is split as
+    # its own tokenizer would split the whole text (the draft predicts best after its own boundaries)
+    draft_lookbehind: int = 2
     # two tokenizers, chains, greedy or one-hot cycles (proposal "onehot", "auto"): at each cycle start the draft
     # chooses its last token of the committed text again, among those starting with its text, and a longer one
     # replaces it (token healing: the committed text ends on a target-token boundary, often inside one of the
@@ -109,8 +124,8 @@ class SpecConfig:
     fallback: bool = True
     # most draft tokens of context the draft holds (None: its own limit): past it the draft keeps drafting from the
     # most recent text, re-prefilled half the window at a time; it also caps what the draft prefills of a long
-    # prompt (at 4,096 tokens, 1,024 cut the same-tokenizer draft's cache 49 -> 8 MiB for no measured loss of
-    # acceptance: BENCHMARKS.md, "Long prompts")
+    # prompt: a draft proposes from the recent text, and its cache and prefill grow with all of it (the memory
+    # and acceptance at 1,024 against the whole prompt: BENCHMARKS.md, "Long prompts")
     draft_context: int | None = 1024
 
     def __post_init__(self) -> None:
@@ -158,20 +173,21 @@ def expected_tokens(alpha: float, proposals: float) -> float:
 class Laps:
     """A cycle's stage clock: `laps("draft")` adds the seconds since the last lap (or the start) to that stage."""
 
-    __slots__ = ("start", "last", "seconds")
+    __slots__ = ("clock", "start", "last", "seconds")
 
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock  # the loop's clock (tests hand a simulated one)
+        self.start = self.last = clock()
         self.seconds = {"draft": 0.0, "bridge": 0.0, "verify": 0.0}
 
     def __call__(self, stage: str) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         self.seconds[stage] += now - self.last
         self.last = now
 
     def elapsed(self) -> float:
         """Seconds since the start."""
-        return time.perf_counter() - self.start
+        return self.clock() - self.start
 
 
 ALONE = "alone"  # the kind of a cycle that ran the target alone (SpecConfig.fallback)
@@ -199,10 +215,25 @@ class CycleRecord:
     pruned: int = 0  # a tree: drafted nodes left out of verification
     sampled_root: bool = False  # a tree whose root candidates were drawn from the draft
     healed: bool = False  # the first drafted id replaced the draft's last one (SpecConfig.draft_healing)
+    # a sampled chain across tokenizers: the one-hot and the intersection proposal's chance of acceptance at its
+    # first position, from the same draft and target distributions (what policy.ProposalChooser learns from)
+    first_chances: tuple[float, float] | None = None
+    alone: bool = False  # the target ran alone: nothing was drafted (SpecConfig.fallback)
 
-    @property
-    def alone(self) -> bool:
-        return self.kind == ALONE
+    @classmethod
+    def drafted(cls, *, kind: str, draft_steps: int, depth: int, nodes: int, accepted: int, rejected: bool,
+                committed: int, draft_s: float, bridge_s: float, verify_s: float, prefill: bool,
+                **extra) -> CycleRecord:
+        """A drafted cycle's record (`extra`: the optional fields, by name)."""
+        return cls(kind=kind, draft_steps=draft_steps, depth=depth, nodes=nodes, accepted=accepted,
+                   rejected=rejected, committed=committed, draft_s=draft_s, bridge_s=bridge_s, verify_s=verify_s,
+                   prefill=prefill, **extra)
+
+    @classmethod
+    def target_alone(cls, *, committed: int, seconds: float, prefill: bool) -> CycleRecord:
+        """A target-alone cycle's record: one target step, nothing drafted, its seconds counted as verification."""
+        return cls(kind=ALONE, draft_steps=0, depth=0, nodes=0, accepted=0, rejected=False, committed=committed,
+                   draft_s=0.0, bridge_s=0.0, verify_s=seconds, prefill=prefill, alone=True)
 
 
 @dataclass

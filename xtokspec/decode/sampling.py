@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .types import SamplingParams, XTokSpecError
+from ..types import SamplingParams, XTokSpecError
 
 
 def build_warpers(params: SamplingParams) -> LogitsProcessorList:

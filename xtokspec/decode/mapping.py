@@ -20,10 +20,10 @@ import math
 
 import torch
 
+from ..runtime.cache import ModelState
+from ..text.bridge import PrefixIndex, TextSync, build_token_map
+from ..text.codec import TokenCodec, byte_ends
 from . import sampling
-from .bridge import PrefixIndex, TextSync, build_token_map
-from .cache import ModelState
-from .codec import TokenCodec, byte_ends
 
 
 def resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
@@ -40,8 +40,8 @@ class Fixed:
     def current(self):
         return self
 
-    def observe(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: int) -> None:
-        return None
+    def first_chances(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> None:
+        return None  # one kind of proposal: nothing to choose between
 
 
 class SameVocab(Fixed):
@@ -87,6 +87,9 @@ class SameVocab(Fixed):
 
     restate = b""  # nothing committed waits for the draft to restate it
 
+    def allowed(self, remaining: bytes) -> tuple[list[int], bool]:
+        return [], True  # never asked: nothing is ever restated
+
     def heal_candidate(self, draft: ModelState) -> None:
         return None
 
@@ -105,7 +108,7 @@ class TextBridge(Fixed):
         self.target_eos = target_eos
         self.draft_prompt_len = draft_prompt_len  # the draft's ids before its continuation (its prompt's)
         self.head = head  # leading ids a window of the text keeps (BOS)
-        self._index = index  # built on first use where none is given (~0.3 s for a 262k vocabulary)
+        self._index = index  # built on first use where none is given (it indexes the whole draft vocabulary)
         self.healing = healing  # SpecConfig.draft_healing: the draft chooses its last token again each cycle
 
     @property
@@ -227,6 +230,13 @@ class IntersectionMap(Fixed):
         probs = sampling.map_to_target(torch.stack(rows), self.draft_to_target, self.target_vocab)  # (K, Vt)
         return proposals, probs.to(self.device)
 
+    # a tree's branches go through the text bridge (trees never run this kind: options.proposal_kind)
+    def branch_to_target(self, path: list[int], eos: bool, first: int | None = None) -> list[int]:
+        return self.bridge.branch_to_target(path, eos, first)
+
+    def node_values(self, path: list[int], scores: list[float], target_ids: list[int]) -> list[float]:
+        return self.bridge.node_values(path, scores, target_ids)
+
     def commit(self, draft: ModelState, drafted: list[int], new_ids: list[int]) -> None:
         self.bridge.commit(draft, drafted, new_ids)
 
@@ -236,7 +246,8 @@ class IntersectionMap(Fixed):
 
 class Switching:
     """proposal="auto": the one-hot bridge or the intersection map, chosen after each verified cycle from both
-    kinds' estimated chance of acceptance at its first position (the chooser: policy.ProposalChooser)."""
+    kinds' estimated chance of acceptance at its first position (the chooser: policy.ProposalChooser, which
+    observes each cycle's record like the other policies)."""
 
     def __init__(self, onehot: TextBridge, intersection: IntersectionMap, chooser, first_pieces: torch.Tensor,
                  draft_to_target: torch.Tensor):
@@ -249,16 +260,15 @@ class Switching:
     def current(self):
         return self.mappers[self.chooser.kind]
 
-    def observe(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: int) -> dict[str, float]:
+    def first_chances(self, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tuple[float, float]:
         """Both kinds' chance of acceptance at a cycle's first position, from the target's (Vt,) and the draft's
-        (Vd,) distributions there (one transfer) -> the chooser's scores; the next cycle's kind is `current`."""
+        (Vd,) distributions there (one transfer): (one-hot, intersection)."""
         q = draft_probs.to(target_probs.device)
         onehot, intersection = torch.stack([
             sampling.onehot_acceptance(target_probs, q, self.first_pieces[: q.shape[-1]]),
             sampling.intersection_acceptance(target_probs, q, self.draft_to_target[: q.shape[-1]]),
         ]).tolist()
-        self.chooser.update(onehot, intersection, accepted)
-        return self.chooser.scores()
+        return onehot, intersection
 
 
 class VocabMaps:
@@ -282,8 +292,8 @@ class VocabMaps:
 
     @property
     def first_pieces(self) -> torch.Tensor:
-        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (one batched encode: ~2 s
-        for a 262k vocabulary)."""
+        """(Vd,) draft id -> the target id of the first token of its text, -1 where none (one batched encode of
+        every draft token's text, kept for the XTokSpec's life)."""
         if self._first_pieces is None:
             self._first_pieces = torch.tensor(self.target.first_pieces(self.draft.token_bytes), dtype=torch.long)
         return self._first_pieces
@@ -303,14 +313,14 @@ class VocabMaps:
     @property
     def draft_index(self) -> PrefixIndex:
         """The draft's ids by their bytes, for the ids a drafted token may be while committed text waits to be
-        restated (~0.3 s for a 262k vocabulary)."""
+        restated (built once: it indexes the whole draft vocabulary)."""
         if self._draft_index is None:
             self._draft_index = PrefixIndex(self.draft.token_bytes)
         return self._draft_index
 
     def draft_to_target(self, device: torch.device) -> torch.Tensor:
         """(Vd,) the token map (draft id -> target id with the same bytes, -1 where none) on `device`, built once
-        per device (~50 ms from the list for a 262k vocabulary, which every sampled call needs)."""
+        per device (a tensor of the whole draft vocabulary, which every sampled call needs)."""
         device = torch.device(device)
         if device not in self._draft_to_target:
             self._draft_to_target[device] = torch.tensor(self.token_map.draft_to_target, device=device)

@@ -1,5 +1,5 @@
 """Requests found again from their token ids alone: vLLM hands its proposer rows with no request ids, and a
-request's row moves between steps (the rule: xtokspec/vllm.py's module docstring). `RequestTable` pairs each row
+request's row moves between steps (the rule: xtokspec/vllm/proposer.py's module docstring). `RequestTable` pairs each row
 with the state it had, by the longest prefix of its ids, one state per row."""
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ class RequestTable:
             out[r][0].ids = np.array(row, copy=True)
         self._drop()
         return out
+
+    def discard(self, entry: Entry) -> None:
+        """Drop one entry now (its payload handed to `on_drop`): a row that matched it gets a new entry next time."""
+        self.entries = [e for e in self.entries if e is not entry]
+        self.dropped += 1
+        if self.on_drop is not None and entry.payload is not None:
+            self.on_drop(entry.payload)
 
     def _drop(self) -> None:
         keep = [e for e in self.entries if e.idle <= self.idle_calls]

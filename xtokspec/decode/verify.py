@@ -9,22 +9,34 @@ uniforms first, then the exponential noise of the next token's race.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.cache import ModelState
+from ..runtime.kv import to_device
 from . import sampling, tree
-from .cache import ModelState
-from .kv import to_device
 from .propose import Proposal
+
+
+@dataclass(frozen=True)
+class SamplerOps:
+    """The steps of sampled verification that decide what is emitted. The defaults are the proven ones
+    (reference/); a statistical test hands in a deliberately wrong one as its negative control, which must fail."""
+
+    count_accepted: Callable = sampling.count_accepted  # a chain's accepted proposals
+    next_token_distribution: Callable = sampling.next_token_distribution  # a chain's residual or bonus row
+    walk: Callable = tree.walk_sampled  # a trie's walk down its accepted path
 
 
 @dataclass
 class Sampler:
-    """The target's logits processing (transformers' warpers) and random stream."""
+    """The target's logits processing (transformers' warpers), random stream and sampling steps."""
 
     warpers: object
     generator: torch.Generator
+    ops: SamplerOps = field(default_factory=SamplerOps)
 
 
 @dataclass
@@ -55,8 +67,8 @@ def verify_chain(target: ModelState, proposals: list[int], proposal_probs: torch
     target_probs = sampling.logits_to_probs(logits, sampler.warpers)  # (K+1, Vt)
     gen = sampler.generator
     uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)
-    accepted = sampling.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
-    dist = sampling.next_token_distribution(target_probs, proposal_ids, accepted, proposal_probs)
+    accepted = sampler.ops.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
+    dist = sampler.ops.next_token_distribution(target_probs, proposal_ids, accepted, proposal_probs)
     noise = sampling.exponential_noise(dist.shape, gen, gen.device).to(dist.device)
     next_token = int(sampling.race(dist, noise))
     return Verdict(accepted, next_token, accepted < len(proposals), target_probs=target_probs)
@@ -72,5 +84,5 @@ def verify_tree(target: ModelState, trie: tree.Trie, sampler: Sampler | None, ro
         gen = sampler.generator
         uniforms = torch.rand((trie.size + 1, max(1, trie.max_children())), generator=gen, device=gen.device)
         noise = sampling.exponential_noise(probs.shape[-1:], gen, gen.device)
-        path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise, root_q=root_q)
+        path, next_token = tree.verify_tree_sampled(probs, trie, uniforms, noise, root_q=root_q, walk=sampler.ops.walk)
     return Verdict(len(path), next_token, bool(trie.children[path[-1] if path else 0]), path=path)

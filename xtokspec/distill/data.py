@@ -1,5 +1,5 @@
 """`xtokspec distill`'s data: the settings of a run, the prompts (read, split into training and held-out ones) and
-the target's continuations of them (phase 1 of xtokspec/distill.py)."""
+the target's continuations of them (phase 1 of xtokspec/distill/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .codec import utf8_valid_prefix_len
-from .kv import input_device
-from .models import eos_ids
-from .types import XTokSpecError
+from ..runtime.kv import input_device
+from ..runtime.models import eos_ids
+from ..text.codec import utf8_valid_prefix_len
+from ..types import XTokSpecError
 
 REPORT_FILE = "distill_report.json"
 DATA_FILE = "distill_data.jsonl"
@@ -166,7 +166,7 @@ def continue_prompts(model, tokenizer, prompts: Sequence[str], mode: str, new_to
     hit invalid UTF-8) and was cut there, without its EOS. `top_k` > 0 adds "target_top": for each continuation
     token that starts inside the kept text, [its byte offset in the continuation, the target's `top_k` likeliest
     next ids there, their log-probabilities], for the token-level loss."""
-    from .codec import TokenCodec
+    from ..text.codec import TokenCodec
 
     codec = codec or TokenCodec(tokenizer, model.config.vocab_size, "target tokenizer")
     eos = eos_ids(model, tokenizer)

@@ -1,8 +1,8 @@
 """Drafting: a chain of K draft tokens, or a token tree, proposed on the target's vocabulary.
 
 `ChainProposer.propose` drafts K ids (greedy, or sampled with the target's own logits processing) and maps
-them through the cycle's mapper (xtokspec/mapping.py). `TreeProposer.propose` grows a beam of `tree_width`
-paths, bridges every branch into a trie of target ids (xtokspec/tree.py) and prunes it to the nodes worth
+them through the cycle's mapper (xtokspec/decode/mapping.py). `TreeProposer.propose` grows a beam of `tree_width`
+paths, bridges every branch into a trie of target ids (xtokspec/decode/tree.py) and prunes it to the nodes worth
 verifying (policy.TreeBudget). Both return a `Proposal`; the draft's cache keeps what was drafted until the
 mapper's `commit` (a tree's nodes are dropped there). Shape legend: Vd the draft's vocabulary, Vt the target's.
 """
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.cache import ModelState
+from ..runtime.kv import select_rows, to_device
+from ..types import Laps
 from . import sampling, tree
-from .cache import ModelState
-from .kv import select_rows, to_device
-from .types import Laps
 
 
 @dataclass

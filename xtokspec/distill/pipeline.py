@@ -39,7 +39,10 @@ from pathlib import Path
 
 import torch
 
-from .distill_data import (
+from ..runtime.kv import input_device
+from ..runtime.models import check_source, load
+from ..types import XTokSpecError
+from .data import (
     DATA_FILE,
     MODES,
     REPORT_FILE,
@@ -51,7 +54,7 @@ from .distill_data import (
     read_prompts,
     split_prompts,
 )
-from .distill_eval import (
+from .evaluate import (
     agreement,
     agreement_counts,
     evaluate,
@@ -59,7 +62,7 @@ from .distill_eval import (
     paired_interval,
     summary_lines,
 )
-from .distill_train import (
+from .train import (
     _require_peft,
     _require_trainer,
     bf16_available,
@@ -68,9 +71,6 @@ from .distill_train import (
     train_draft,
     training_examples,
 )
-from .kv import input_device
-from .models import check_source, load
-from .types import XTokSpecError
 
 __all__ = ["DATA_FILE", "MODES", "REPORT_FILE", "SETTINGS_FILE", "STATE_FILE", "DistillSettings", "agreement",
            "agreement_counts", "bf16_available", "continue_prompts", "distill", "evaluate", "first_difference",
@@ -180,7 +180,7 @@ def distill(target, draft, prompts, out, *, eval_prompts=None, settings: Distill
 
     # The pair is loaded and checked as xtokspec will run it (a tokenizer it cannot bridge is refused here, before
     # anything is written).
-    from .spec import XTokSpec
+    from ..spec import XTokSpec
 
     _log(f"loading {identity['target']} and {identity['draft']}", progress)
     spec = XTokSpec(target, draft, large_kwargs=_load_kwargs(settings.dtype, target_device),

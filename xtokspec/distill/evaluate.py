@@ -1,4 +1,4 @@
-"""`xtokspec distill`'s evaluation (phase 3 of xtokspec/distill.py): the draft before and after through xtokspec's
+"""`xtokspec distill`'s evaluation (phase 3 of xtokspec/distill/pipeline.py): the draft before and after through xtokspec's
 decoder, the teacher-forced agreement with the target's greedy text, the bootstrap interval of a paired gain, and
 the report's results as lines to print."""
 
@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .distill_data import continue_prompts
-from .kv import input_device
-from .models import eos_ids
-from .types import SpecConfig, XTokSpecError
+from ..runtime.kv import input_device
+from ..runtime.models import eos_ids
+from ..types import SpecConfig, XTokSpecError
+from .data import continue_prompts
 
 
 # ---------------------------------------------------------------- phase 3: evaluation
@@ -41,7 +41,7 @@ def evaluate(target, drafts: dict, prompts: Sequence[str], new_tokens: int, temp
     equals the target's own, and tokens per target call sampling at `temperature`."""
     from tqdm.auto import tqdm
 
-    from .spec import XTokSpec
+    from ..spec import XTokSpec
 
     model, tokenizer = target
     eos = sorted(eos_ids(model, tokenizer)) or None

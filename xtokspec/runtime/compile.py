@@ -1,5 +1,5 @@
 """Fixed-shape steps: a model's short forwards padded to a few lengths and captured, over the whole-buffer static
-cache (xtokspec/kv.py): recorded as CUDA graphs and replayed (`GraphedStep`, SpecConfig(compile="graphs"), the
+cache (xtokspec/runtime/kv.py): recorded as CUDA graphs and replayed (`GraphedStep`, SpecConfig(compile="graphs"), the
 default on a GPU), or through torch.compile (`CompiledStep`, compile="inductor" or True). `choose_step` decides
 which a model gets."""
 

@@ -1,5 +1,5 @@
 """Drafting for several requests at once: their draft caches side by side in one left-padded batch, one forward
-per drafted position, each row's new cache columns handed back to its own request (xtokspec/vllm.py's proposer
+per drafted position, each row's new cache columns handed back to its own request (xtokspec/vllm/proposer.py's proposer
 uses it for every running request)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .cache import ModelState
-from .kv import dynamic_cache, to_device
+from ..runtime.cache import ModelState
+from ..runtime.kv import dynamic_cache, to_device
 
 
 def prefill_tail(state: ModelState) -> None:

@@ -1,11 +1,11 @@
-"""A model's token ids and its KV cache: with its backends (xtokspec/kv.py), the only code that knows the cache
+"""A model's token ids and its KV cache: with its backends (xtokspec/runtime/kv.py), the only code that knows the cache
 layout.
 
 Invariant: the cache holds keys/values for exactly `ids[:cached]`; `forward` feeds `ids[cached:]`, and
 `truncate(n)` drops ids and cached positions past n in place (a rejection costs no recompute). Short forwards
-run through a compiled fixed-shape step (xtokspec/compile.py) when the model has one.
+run through a compiled fixed-shape step (xtokspec/runtime/compile.py) when the model has one.
 
-Token trees (xtokspec/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
+Token trees (xtokspec/decode/tree.py): `forward_tree` feeds the uncached ids and then a trie's nodes in one forward,
 with explicit positions (a node sits one past its parent) and a 4D additive attention mask (a node sees the
 cache, the uncached ids and its own ancestors); `keep_path` then moves the accepted nodes' keys and values to
 the positions right after the uncached ids, in place, and rolls the rest back. The draft grows its beam

@@ -46,134 +46,33 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .batch_draft import draft_together, prefill_tail
-from .bridge import PrefixIndex, TextSync
-from .cache import ModelState
-from .chat import DraftView
-from .codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
-from .compile import choose_step
-from .kv import context_limit, sliding_layers
-from .mapping import SameVocab, TextBridge
-from .models import eos_ids, load
-from .propose import ChainProposer
-from .request_table import RequestTable
-from .types import Laps, XTokSpecError
+from ..decode import assemble
+from ..decode.propose import ChainProposer
+from ..runtime.kv import context_limit, sliding_layers
+from ..runtime.models import eos_ids, load
+from ..text.chat import DraftView
+from ..text.codec import TokenCodec
+from ..types import Laps, XTokSpecError
+from .batch import draft_together, prefill_tail
+from .drafts import RequestDraft
+from .requests import RequestTable
 
 log = logging.getLogger("xtokspec")
 
 DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder, a hub id, a bundled name)
 DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
 DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
-LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.draft_lookbehind's default)
 BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
 GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorded as CUDA graphs (static caches)
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
-
-
-# ---------------------------------------------------------------------------------------------- one request
-class RequestDraft:
-    """One request's draft: its ids and KV cache (`ModelState`) and the mapper that keeps it on the committed text."""
-
-    def __init__(self, owner: TextBridgeProposer, target_ids: list[int]):
-        self.owner = owner
-        self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
-        self.draft_steps = 0  # the last proposal's draft forwards
-        if owner.same_vocab:
-            prompt, tail = list(target_ids), []
-        else:
-            split = complete_prefix(owner.target, target_ids)
-            text, special = owner.view.prompt(target_ids[:split])  # a template's special tokens: the draft's or none
-            prompt = owner.draft.encode_prompt(text, special) if text else []
-            tail = list(target_ids[split:])
-        bos = owner.draft_tokenizer.bos_token_id
-        head = int(bos is not None and prompt[:1] == [bos])  # a window of the text keeps the BOS
-        if owner.draft_backend == "static":  # a dropped request's buffers (and their graphs), else new ones
-            reuse = owner.idle_kv.pop() if owner.idle_kv else None
-            self.state = ModelState(owner.draft_model, prompt, "static", owner.static_len, owner.step, reuse=reuse)
-        else:
-            self.state = ModelState(owner.draft_model, prompt, "dynamic", owner.draft_limit)
-        self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
-        if owner.same_vocab:
-            self.mapper = SameVocab(owner.target_vocab, owner.draft_device, head)
-        else:
-            sync = TextSync(owner.target, owner.draft, LOOKBEHIND)
-            self.mapper = TextBridge(sync, owner.target_eos, len(prompt), "greedy-bridge", head, owner.draft_index,
-                                     owner.healing)
-            if tail:  # the prompt ends inside a character: its first bytes wait in the text state
-                self.mapper.commit(self.state, [], tail)
-
-    def advance(self, new_ids: list[int]) -> None:
-        """Commit the row's new target ids: keep the drafted ids they repeat, re-encode the rest."""
-        self.mapper.commit(self.state, self.drafted, new_ids)
-        self.drafted = []
-
-    def prepare(self, k: int, room: int) -> int:
-        """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""
-        state = self.state
-        self.draft_steps = 0
-        if not state.ids or room <= 0:
-            return 0
-        if len(state.ids) + k + 1 > self.limit:  # keep the draft's most recent half of its context
-            self.mapper.slide(state, len(state.ids) - self.limit // 2)
-        return max(0, min(k, self.limit - len(state.ids) - 1))
-
-    @property
-    def first_ids(self) -> list[int] | None:
-        """The ids the first drafted token may be (those restating pending text), or None for any."""
-        restate = self.mapper.restate
-        return self.mapper.allowed(restate)[0] if restate else None
-
-    def heal_candidate(self) -> tuple[int, list[int]] | None:
-        """Token healing's candidate for a batched draft (`TextBridge.heal_candidate`), with the two uncached
-        ids `draft_together` then needs (the last one's cache position fed again where it is cached)."""
-        state = self.state
-        candidate = self.mapper.heal_candidate(state)
-        if candidate is None or len(state.ids) < 3:
-            return None
-        state.uncache_last(2)
-        return candidate
-
-    def propose(self, k: int, room: int, laps: Laps) -> list[int]:
-        """Draft k ids greedily, this request alone -> at most `room` target ids."""
-        k = self.prepare(k, room)
-        if k <= 0:
-            return []
-        proposal = self.owner.chain.propose(self.state, k, self.mapper, room, laps)
-        self.drafted, self.draft_steps = proposal.draft_ids, proposal.draft_steps
-        self.owner.stats.healed += proposal.healed
-        return proposal.target_ids
-
-    def finish(self, drafted: list[int], room: int, healed: bool = False) -> list[int]:
-        """Map ids drafted by `draft_together` (in the draft's ids and cache already; `healed`: its first id took
-        the place of the last one, which it took out of both) -> at most `room` target ids."""
-        if healed:
-            self.mapper.sync.heal()
-        eos = bool(drafted) and drafted[-1] in self.owner.chain.draft_eos
-        self.drafted, self.draft_steps = drafted, len(drafted)
-        return self.mapper.to_target(drafted, [], eos)[0][: max(0, room)]
-
-
-def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
-    """The most leading ids whose bytes are complete UTF-8 (a prompt may end inside a character: byte-fallback
-    pieces, or a byte-level token holding part of one)."""
-    table = codec.token_bytes
-    data = b"".join(table[i] for i in ids)
-    valid = utf8_valid_prefix_len(data)
-    end = len(data)
-    for n in range(len(ids), 0, -1):
-        if end <= valid and is_char_boundary(data, end):
-            return n
-        end -= len(table[ids[n - 1]])
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
@@ -189,6 +88,7 @@ class ProposerStats:
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
     healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
+    faults: int = 0  # requests that got no proposal because drafting for them failed (logged once per kind)
     draft_s: float = 0.0  # seconds in the draft's forwards
     bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
     other_s: float = 0.0  # seconds matching rows, committing and creating states (prefills included)
@@ -236,21 +136,24 @@ class TextBridgeProposer:
             model_config.tokenizer, revision=getattr(model_config, "tokenizer_revision", None),
             trust_remote_code=model_config.trust_remote_code)
         self.target_vocab = model_config.get_vocab_size()
-        self.target = TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer")
-        self.draft = TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer")
-        self.same_vocab = self.target_tokenizer.get_vocab() == self.draft_tokenizer.get_vocab()
-        self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         eos = model_config.try_get_generation_config().get("eos_token_id")
         eos = eos if eos is not None else self.target_tokenizer.eos_token_id
-        self.target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+        target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+        self.pair = assemble.Pair.of(
+            TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer"),
+            TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer"),
+            target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
+        self.kept = assemble.Kept()  # the draft's captured step and dropped requests' static caches
+        self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
-        self.chain = ChainProposer(eos_ids(self.draft_model, self.draft_tokenizer), token_bytes=self.draft.token_bytes)
+        self.chain = ChainProposer(self.pair.draft_eos, token_bytes=self.pair.draft.token_bytes)
         # token healing, as XTokSpec's greedy chains: each cycle the draft chooses its last token again
-        self.healing = bool(extra.get(HEALING_KEY, True)) and not self.same_vocab
-        # NOTE: one for every request, healing or not (the ids that may restate an incomplete character too)
-        self.draft_index = PrefixIndex(self.draft.token_bytes)
+        self.healing = bool(extra.get(HEALING_KEY, True)) and not self.pair.same_vocab
+        # NOTE: built now, not at the first request: one for every request, healing or not (the ids that may
+        # restate an incomplete character too)
+        self.pair.maps.draft_index  # noqa: B018
         max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
@@ -265,7 +168,7 @@ class TextBridgeProposer:
         # cache goes to the next new request with its graphs. Per request, not batched (draft_together stacks
         # dynamic caches). Where graphs cannot be recorded (the CPU, a sliding-window draft) a warning says why
         # and the draft runs eagerly.
-        self.step = choose_step(self.draft_model, "graphs", "static", "draft") if extra.get(GRAPHS_KEY) else None
+        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if extra.get(GRAPHS_KEY) else None
         cache = extra.get(CACHE_KEY, "static" if self.step is not None else "dynamic")
         if cache not in ("dynamic", "static"):
             raise XTokSpecError(f"{CACHE_KEY}: 'dynamic' or 'static', got {cache!r}")
@@ -281,23 +184,26 @@ class TextBridgeProposer:
         if isinstance(static_len, bool) or not isinstance(static_len, int) or static_len < 64:
             raise XTokSpecError(f"{CACHE_LEN_KEY}: an integer of at least 64 positions, got {static_len!r}")
         self.static_len = min(self.draft_limit, static_len)
-        self.idle_kv: list = []  # static caches of dropped requests, for new ones
         if cache == "static":
             self.batched = False
             if self.step is not None:
                 self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
         self.stats = ProposerStats()
+        self._faults_seen: set[tuple] = set()
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s, %s", draft, type(self.draft_model).__name__,
-                 dtype, self.k, "same tokenizer" if self.same_vocab else "text bridge",
+                 dtype, self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
                  "draft forwards batched across requests" if self.batched
                  else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
                  else "one draft forward per request")
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
-        if self.draft_backend == "static" and len(self.idle_kv) < self.table.max_states:
-            self.idle_kv.append(request.state.kv)
+        self.kept.release(request.state, keep=self.table.max_states)
+
+    # the pair's views, by the names tests and benchmarks read
+    same_vocab = property(lambda self: self.pair.same_vocab)
+    draft = property(lambda self: self.pair.draft)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands over the target model here; the draft was loaded in the constructor."""
@@ -309,7 +215,30 @@ class TextBridgeProposer:
     @torch.inference_mode()
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings=None, **kwargs) -> list[list[int]]:
-        """Up to K target ids per row (vLLM's call after each step; rows with no new ids get none)."""
+        """Up to K target ids per row (vLLM's call after each step; rows with no new ids get none).
+
+        A proposal never changes what vLLM emits, so no fault in here may stop the engine: a request whose drafting
+        fails gets no proposal at this step and loses its state (rebuilt from its ids at its next step), and a
+        fault outside any one request's work drops every state. Each kind of fault is logged once."""
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception as err:
+            self._fault(err, "matching rows to requests")
+            for entry in list(self.table.entries):
+                self.table.discard(entry)
+            return [[] for _ in sampled_token_ids]
+
+    def _fault(self, err: Exception, where: str, requests: int = 1) -> None:
+        """Count a fault; log its first occurrence of each kind (a fault repeating every step would flood the log)."""
+        self.stats.faults += requests
+        key = (where, type(err).__name__, str(err)[:200])
+        if key not in self._faults_seen:
+            self._faults_seen.add(key)
+            log.warning("xtokspec proposer: %s failed (%s: %s); the request%s proposes nothing this step and its "
+                        "draft state is rebuilt, the output is unchanged", where, type(err).__name__, err,
+                        "s" if requests > 1 else "", exc_info=err)
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         stats = self.stats
         t0 = time.perf_counter()
         rows: list[np.ndarray | None] = []
@@ -327,34 +256,29 @@ class TextBridgeProposer:
                 continue
             entry, seen = hit
             row_ids = rows[r].tolist()
-            if entry.payload is None:
-                entry.payload = RequestDraft(self, row_ids)
-                stats.new_states += 1
-            elif seen < len(row_ids) or entry.payload.drafted:
-                entry.payload.advance(row_ids[seen:])
-            request = entry.payload
-            room = min(self.k, self.max_model_len - len(row_ids) - 1)
-            stats.rows += 1
-            state = request.state
-            if self.batched and request.prepare(self.k, room) == self.k:
-                if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
-                    t1 = time.perf_counter()
-                    prefill_tail(state)  # a new request's prompt, or all ids cached: on its own, before the batch
-                    seconds = time.perf_counter() - t1
-                    stats.draft_s += seconds
-                    t0 += seconds  # not counted in other_s
-                fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
-                if state.cached >= 1 and fits:
-                    together.append((r, request, room, request.heal_candidate()))
-                    continue
-            alone.append((r, request, room))
+            try:
+                item = self._prepare_row(r, entry, seen, row_ids)
+            except Exception as err:
+                self._fault(err, "preparing a request's draft")
+                self.table.discard(entry)
+                continue
+            if item is not None:
+                (together if len(item) == 4 else alone).append(item)
+            if entry.payload is not None and entry.payload.prefill_s:
+                t0 += entry.payload.prefill_s  # a prefill outside the batch counts as drafting, not other_s
+                entry.payload.prefill_s = 0.0
         if len(together) == 1:  # nothing to batch with
             alone += [item[:3] for item in together]
             together = []
         for r, request, room in alone:
             laps = Laps()
             stats.other_s += laps.start - t0
-            out[r] = request.propose(self.k, room, laps)
+            try:
+                out[r] = request.propose(self.k, room, laps)
+            except Exception as err:
+                self._fault(err, "drafting for a request")
+                self._discard(request)
+                out[r] = []
             stats.draft_s += laps.seconds["draft"]
             stats.bridge_s += laps.seconds["bridge"]
             stats.draft_forwards += request.draft_steps
@@ -363,24 +287,69 @@ class TextBridgeProposer:
         if together:
             t1 = time.perf_counter()
             stats.other_s += t1 - t0
-            drafted, copy_s, healed = draft_together(
-                self.draft_model, [request.state for _, request, _, _ in together], self.k, self.chain.draft_eos,
-                self.window, [request.first_ids for _, request, _, _ in together], [h for *_, h in together])
+            try:
+                drafted, copy_s, healed = draft_together(
+                    self.draft_model, [request.state for _, request, _, _ in together], self.k, self.chain.draft_eos,
+                    self.window, [request.first_ids for _, request, _, _ in together], [h for *_, h in together])
+            except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
+                self._fault(err, "drafting a batch of requests", len(together))
+                for _, request, _, _ in together:
+                    self._discard(request)
+                drafted = None
             t0 = time.perf_counter()
-            stats.draft_s += t0 - t1 - copy_s
-            stats.copy_s += copy_s
-            stats.batched_forwards += self.k
-            stats.healed += sum(healed)
-            for (r, request, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
-                out[r] = request.finish(ids, room, was_healed)
-                stats.draft_forwards += len(ids)
-                stats.proposed += len(out[r])
+            if drafted is not None:
+                stats.draft_s += t0 - t1 - copy_s
+                stats.copy_s += copy_s
+                stats.batched_forwards += self.k
+                stats.healed += sum(healed)
+                for (r, request, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
+                    try:
+                        out[r] = request.finish(ids, room, was_healed)
+                    except Exception as err:
+                        self._fault(err, "mapping a request's draft")
+                        self._discard(request)
+                        out[r] = []
+                    stats.draft_forwards += len(ids)
+                    stats.proposed += len(out[r])
             t1 = time.perf_counter()
             stats.bridge_s += t1 - t0
             t0 = t1
         stats.other_s += time.perf_counter() - t0
         stats.calls += 1
         return out
+
+    def _prepare_row(self, r: int, entry, seen: int, row_ids: list[int]) -> tuple | None:
+        """Bring a row's request to its ids (a new request: a new state) -> what drafts it: (row, request, room,
+        healing's candidate) for the batch, (row, request, room) alone, or None: nothing this step."""
+        stats = self.stats
+        if entry.payload is None:
+            entry.payload = RequestDraft(self, row_ids)
+            entry.payload.entry = entry
+            stats.new_states += 1
+        elif seen < len(row_ids) or entry.payload.drafted:
+            entry.payload.advance(row_ids[seen:])
+        if row_ids[-1] in self.pair.target_eos:
+            return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
+        request = entry.payload
+        room = min(self.k, self.max_model_len - len(row_ids) - 1)
+        stats.rows += 1
+        state = request.state
+        if self.batched and request.prepare(self.k, room) == self.k:
+            if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
+                t1 = time.perf_counter()
+                prefill_tail(state)  # a new request's prompt, or all ids cached: on its own, before the batch
+                request.prefill_s = time.perf_counter() - t1
+                stats.draft_s += request.prefill_s
+            fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
+            if state.cached >= 1 and fits:
+                return r, request, room, request.heal_candidate()
+        return r, request, room
+
+    def _discard(self, request: RequestDraft) -> None:
+        """Drop a request's state after a fault: its next row starts a new one from the row's ids."""
+        entry = getattr(request, "entry", None)
+        if entry is not None and entry in self.table.entries:
+            self.table.discard(entry)
 
     @property
     def states(self) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .types import XTokSpecError
+from ..types import XTokSpecError
 
 FIXTURE_NAMES = ("ja-target", "ja-draft-same", "ja-draft-bpe")
 
@@ -29,8 +29,8 @@ def fixtures_dir() -> Path:
         if not (Path(env) / "models" / "ja-target" / "config.json").exists():
             raise XTokSpecError(f"XTOKSPEC_FIXTURES={env!r} has no models/ja-target/config.json")
         return Path(env)
-    installed = importlib.resources.files(__package__) / "fixtures"
-    candidates = [Path(str(installed)), Path(__file__).resolve().parent.parent / "fixtures"]
+    installed = importlib.resources.files("xtokspec") / "fixtures"
+    candidates = [Path(str(installed)), Path(__file__).resolve().parents[2] / "fixtures"]
     for path in candidates:
         if (path / "models" / "ja-target" / "config.json").exists():
             return path
@@ -190,7 +190,8 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 def frozen_head_note(model, role: str) -> str | None:
     """A warning's text when `model` would hit torch 2.13's slow CPU bf16 linear in its output head: a head weight
-    that does not require grad, given the slice of hidden states HF heads get (~20x slower; BENCHMARKS.md)."""
+    that does not require grad, given the slice of hidden states HF heads get (BENCHMARKS.md, "A torch 2.13 CPU
+    slowdown")."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
@@ -205,8 +206,8 @@ def frozen_head_note(model, role: str) -> str | None:
 
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16 or AMX): without either, torch's
-    bfloat16 linear costs each row of its input about what one row alone costs (measured on an AVX2 EPYC:
-    1.4 ms for 1 row, 10.5 ms for 8 at 1536x8960; float32 2.4 and 6.8 ms; BENCHMARKS.md)."""
+    bfloat16 linear costs each row of its input about what one row alone costs, so verifying K tokens costs K
+    steps (BENCHMARKS.md, "Where verification cannot pay")."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
@@ -280,7 +281,7 @@ class TrimmedHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # NOTE: 2-D first. HF models pass the head a slice of the last k < T positions of (1, T, H) after a
         # multi-token feed, and torch 2.13's CPU bf16 linear with such an input and a weight that does not require
-        # grad (this buffer) runs ~20x slower: 59 ms instead of 3 ms for 32k ids (benchmarks/torch_linear_strided.py).
+        # grad (this buffer) runs many times slower (BENCHMARKS.md, "A torch 2.13 CPU slowdown").
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.device)  # (N, H)
         kept = torch.nn.functional.linear(flat, self.weight, self.bias)  # (N, n)
         full = kept.new_full((kept.shape[0], self.vocab_size), float("-inf")).index_copy_(1, self.keep, kept)

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from .types import CACHE_CHOICES, XTokSpecError
+from ..types import CACHE_CHOICES, XTokSpecError
 
 CACHE_BACKENDS = tuple(choice for choice in CACHE_CHOICES if choice != "auto")
 MIN_BUFFER_CAPACITY = 256
@@ -52,9 +52,9 @@ def buffer_capacity(needed: int, limit: int) -> int:
     """A static buffer's size: `needed` positions rounded up to the next of 256, 384, 512,
     768, 1024, 1536, ... (a power of two or 1.5 times one), at most the model's `limit`.
 
-    torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt recompiled
-    every bucket of both models whenever a prompt's length was new: on an H100 at the 13B shapes that stalled
-    the second of three prompts for ~100 s, mid-generation (BENCHMARKS.md, "GPU (H100)"). Rounded, a process
+    torch.compile specialises every graph on the buffer's shape, so a buffer sized to each prompt would recompile
+    every bucket of both models whenever a prompt's length is new, mid-generation (what that cost at the 13B
+    shapes: BENCHMARKS.md, "The loop's own overhead at the 13B shapes"). Rounded, a process
     compiles once per size class; a reused buffer (`ModelState(reuse=...)`) only grows. Compiled steps attend
     over the whole buffer, so the classes are kept within 1.5x of each other (at most a third of a buffer is
     past the longest generation that needed it), at about twice as many classes as powers of two alone."""
@@ -72,9 +72,8 @@ def input_device(model) -> torch.device:
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Host data (a list or a CPU tensor) as a tensor on `device`, without making the host wait for the device.
 
-    On CUDA, a copy from pageable host memory first waits for the stream to drain (measured on an H100: the
-    input ids of every draft and verify forward were one such sync each, two per cycle besides the two
-    transfers the loop needs). Pinned memory with a non-blocking copy queues instead; torch's pinned
+    On CUDA, a copy from pageable host memory first waits for the stream to drain: the input ids of every draft
+    and verify forward would each make the host wait for the device (benchmarks/gpu_syncs.py counts them). Pinned memory with a non-blocking copy queues instead; torch's pinned
     allocator keeps the buffer until the copy has run."""
     if device.type == "cpu" and not isinstance(data, torch.Tensor):
         return torch.tensor(data, dtype=dtype)  # already where it goes
@@ -101,7 +100,7 @@ TREE_MASK_ATTENTION = ("sdpa", "eager")
 def dynamic_cache(model) -> DynamicCache:
     """An empty DynamicCache for `model`: built from its config where it has layers other than full attention (the
     config gives each layer its kind), else plain (its layers made as the forward first writes them; building
-    them from the config costs ~0.4 ms per cache, each generation)."""
+    them from the config is work every generation would repeat for nothing)."""
     return DynamicCache(config=model.config) if sliding_layers(model) else DynamicCache()
 
 

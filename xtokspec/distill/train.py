@@ -1,4 +1,4 @@
-"""`xtokspec distill`'s training (phase 2 of xtokspec/distill.py): the draft's own tokenization of prompt +
+"""`xtokspec distill`'s training (phase 2 of xtokspec/distill/pipeline.py): the draft's own tokenization of prompt +
 continuation with the prompt out of the loss, the optional token-level loss through the intersection map, and
 transformers' Trainer."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .codec import is_char_boundary
-from .distill_data import DistillSettings
-from .kv import input_device
-from .models import cpu_has_bf16_matmul
-from .types import XTokSpecError
+from ..runtime.kv import input_device
+from ..runtime.models import cpu_has_bf16_matmul
+from ..text.codec import is_char_boundary
+from ..types import XTokSpecError
+from .data import DistillSettings
 
 
 # ---------------------------------------------------------------- phase 2: training

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from .types import XTokSpecError
+from ..types import XTokSpecError
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Probe text every supported tokenizer must round-trip as a fragment (kana, kanji, Latin, spaces, newline).
@@ -91,8 +91,8 @@ def _component(slot: str, spec: object):
 def fragment_tokenizer(backend: Tokenizer) -> Tokenizer:
     """A tokenizer sharing `backend`'s model that encodes continuations: no dummy prefix, no specials added.
 
-    NOTE: built from the components, never from the whole tokenizer's JSON: for a 262k vocabulary the JSON
-    round trip took ~4 s. The added tokens are re-added in id order; if that does not reproduce their ids,
+    NOTE: built from the components, never from the whole tokenizer's JSON: a JSON round trip serialises the
+    whole vocabulary, seconds for a 262k one. The added tokens are re-added in id order; if that does not reproduce their ids,
     the slow, exact JSON copy is used instead."""
     fragment = Tokenizer(backend.model)  # shares the model (no copy)
     for slot in ("normalizer", "pre_tokenizer"):

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.kv import to_device
 from . import sampling
-from .kv import to_device
 
 
 @dataclass
@@ -205,10 +205,11 @@ def residual(probs_row: torch.Tensor, excluded: list[int]) -> torch.Tensor:
 
 
 def verify_tree_sampled(probs: torch.Tensor, trie: Trie, uniforms: torch.Tensor, noise: torch.Tensor,
-                        root_q: torch.Tensor | None = None) -> tuple[list[int], int]:
+                        root_q: torch.Tensor | None = None, walk=None) -> tuple[list[int], int]:
     """(N+1, V) warped target probabilities; uniforms (N+1, max children) U[0, 1); noise (V,) Exp(1) for the
     emitted token; root_q (V,): the draft distribution the root's children were drawn from without replacement
-    (a sampled root), or None (one-hot root) -> (accepted path of node numbers, next token)."""
+    (a sampled root), or None (one-hot root); `walk`: the walk down the trie (default `walk_sampled`; a test's
+    negative control hands a wrong one) -> (accepted path of node numbers, next token)."""
     sampled = root_q is not None and bool(trie.children[0])
     if sampled:
         tests, root_rest = sampled_tests(probs[0], root_q.to(probs.device), [trie.tokens[c] for c in trie.children[0]])
@@ -218,7 +219,7 @@ def verify_tree_sampled(probs: torch.Tensor, trie: Trie, uniforms: torch.Tensor,
         p_children, _ = child_probs(probs, trie)
         root_tests = None
     u = uniforms.tolist()
-    path, node = walk_sampled(trie, p_children, u, root_tests)
+    path, node = (walk or walk_sampled)(trie, p_children, u, root_tests)
     if sampled and node == 0:
         dist = root_rest
     else:

@@ -11,7 +11,7 @@ that arrives as the target's token ids with the template's special tokens among 
 
 from __future__ import annotations
 
-from .types import XTokSpecError
+from ..types import XTokSpecError
 
 
 def special_tokens(tokenizer) -> dict[int, str]:

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .types import XTokSpecError, expected_tokens
+from ..types import XTokSpecError, expected_tokens
 
 
 @dataclass

@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .types import CycleRecord, SpecConfig, expected_tokens
+from ..types import CycleRecord, SpecConfig, expected_tokens
 
 DECAY = 0.9  # the weight an earlier cycle keeps per later cycle
 WARM_CYCLES = 3  # measured cycles before a policy departs from the configured setting
@@ -309,13 +309,21 @@ class ProposalChooser:
     KINDS = ("onehot", "intersection")
     PRIOR_DEPTH, PRIOR_WEIGHT = 1.2, 2.0  # D before a kind has run: pseudo-cycles at 1.2 tokens each
 
-    def __init__(self, start: str, decay: float = DECAY, margin: float = 0.02):
+    def __init__(self, start: str, decay: float = DECAY, margin: float = 0.02, estimates: dict | None = None):
         self.kind = start
+        self.estimates = {} if estimates is None else estimates  # the scores after each update (a stats' dict)
         self.decay, self.margin = decay, margin
         self.first = dict.fromkeys(self.KINDS, 0.0)  # decayed sums of a0 estimates
         self.weight = 0.0
         self.accepted = dict.fromkeys(self.KINDS, self.PRIOR_DEPTH * self.PRIOR_WEIGHT)  # per kind: tokens
         self.reached = dict.fromkeys(self.KINDS, self.PRIOR_WEIGHT)  # ... over cycles whose first was accepted
+
+    def observe(self, cycle: CycleRecord) -> None:
+        """A verified cycle's first-position chances (a cycle without them, e.g. healed or target-alone, teaches
+        nothing)."""
+        if cycle.first_chances is not None:
+            self.update(*cycle.first_chances, cycle.accepted)
+            self.estimates.update(self.scores())
 
     def update(self, onehot: float, intersection: float, accepted: int) -> str:
         """One verified cycle: both kinds' first-position chances, and the tokens the running kind accepted ->

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
 import sys
 
-from . import __version__
+from .. import __version__
+from ..options import compile_choice
+from ..runtime.models import CPU_LINEARS, FIXTURE_NAMES, check_source
+from ..types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 from .bench import add_bench_parser, calibration_lines, read_text
-from .models import CPU_LINEARS, FIXTURE_NAMES, check_source
-from .options import compile_choice
-from .types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
+from .common import DTYPES, HelpFormatter, show_library_log
+from .distill_cmd import add_distill_parser
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _STOPPED = {"eos": "the target emitted EOS", "length": "--max-new-tokens reached",
             "context": "the target's context is full (max_position_embeddings)"}
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default, except an empty one (None, False, []): their help says what happens instead."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _load_kwargs(dtype: str, device: str | None) -> dict:
@@ -77,20 +67,6 @@ def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
     return None, []  # the target's generation_config decides (greedy for the bundled models)
 
 
-class _StderrHandler(logging.Handler):
-    """The library's INFO messages (e.g. compiling a step) as '[xtokspec] ...' lines on the current stderr."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"[xtokspec] {record.getMessage()}", file=sys.stderr, flush=True)
-
-
-def _show_library_log() -> None:
-    logger = logging.getLogger("xtokspec")
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        logger.addHandler(_StderrHandler())
-    logger.setLevel(logging.INFO)
-
-
 def _generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the models is checked first (loading takes seconds).
     prompt = _read_prompt(args)
@@ -115,10 +91,10 @@ def _generate(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"[xtokspec] note: {note}", file=sys.stderr)
 
-    from .spec import XTokSpec
-    from .types import GenerationStats
+    from ..spec import XTokSpec
+    from ..types import GenerationStats
 
-    _show_library_log()  # NOTE: no "Loading weights" bars: XTokSpec loads without them unless progress=True
+    show_library_log()  # NOTE: no "Loading weights" bars: XTokSpec loads without them unless progress=True
     spec = XTokSpec(
         args.target, args.draft, config=config,
         large_kwargs=_load_kwargs(args.dtype, args.target_device),
@@ -127,7 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
     if calibration is not None:
         print(f"[xtokspec] {spec.trim_draft_vocab(calibration, args.draft_vocab).describe()}", file=sys.stderr)
     if args.cpu_linears == "onednn":  # NOTE: after trimming, which slices the draft's torch head
-        from .models import onednn_linears
+        from ..runtime.models import onednn_linears
 
         counts = [onednn_linears(model) for model in (spec.target_model, spec.draft_model)]
         print(f"[xtokspec] oneDNN linears: {counts[0]} in the target, {counts[1]} in the draft", file=sys.stderr)
@@ -189,135 +165,13 @@ def _compare(spec, prompt, kwargs: dict, stats, text: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _prompt_chars(text: str) -> tuple[int, int]:
-    """--prompt-chars MIN-MAX (or N: exactly N characters)."""
-    try:
-        low, _, high = text.partition("-")
-        span = (int(low), int(high or low))
-        if 0 < span[0] <= span[1]:
-            return span
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"{text!r}: give MIN-MAX characters with 0 < MIN <= MAX (e.g. 8-24)")
-
-
-def _distill(args: argparse.Namespace) -> int:
-    from .distill import DistillSettings, distill, summary_lines
-
-    _show_library_log()
-    # NOTE: every DistillSettings field is the destination of one option (--lr: learning_rate)
-    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillSettings)} | {"modes": tuple(args.modes)}
-    try:
-        report = distill(
-            args.target, args.draft, args.prompts, args.out, eval_prompts=args.eval_prompts,
-            max_seconds=args.max_seconds, overwrite=args.overwrite, resume=args.resume,
-            target_device=args.target_device, draft_device=args.draft_device, progress=not args.no_progress, **settings,
-        )
-    except KeyboardInterrupt:
-        print(f"xtokspec: interrupted; the data and the last checkpoint are in {args.out}.partial: run the same "
-              "command with --resume to continue, or with --overwrite to start over", file=sys.stderr)
-        return 130
-    data, training = report["data"], report["training"]
-    print(f"[xtokspec] distilled {report['draft']} for {report['target']} into {args.out}: "
-          f"{data['continuations']} continuations, {training['steps']} steps, {report['distill_seconds']:.0f} s "
-          f"(data {data['seconds']:.0f} s, training {training['seconds']:.0f} s)", file=sys.stderr)
-    for line in summary_lines(report):
-        print(f"[xtokspec] {line}", file=sys.stderr)
-    return 0
-
-
-def _add_distill_parser(sub) -> None:
-    from .distill import DistillSettings
-
-    d = DistillSettings()
-    dis = sub.add_parser(
-        "distill", formatter_class=_HelpFormatter,
-        help="align a draft (any tokenizer) to a target: train it on the target's continuations of your prompts",
-        description="Distil a target into a draft of any tokenizer xtokspec bridges: the target continues your "
-        "prompts (greedy and sampled), the draft is fine-tuned on that text in its own tokenization (the prompt "
-        "out of the loss), and the result is written to --out as a model folder that loads like any draft "
-        "(XTokSpec(target, OUT)), with distill_report.json beside the weights. Before and after, on held-out "
-        "prompts that training never sees: greedy per-token acceptance, tokens per target call at "
-        "--eval-temperature and the greedy speed-up over the target alone, drafting every cycle. The work goes "
-        "into OUT.partial/ and is renamed to OUT at the end; an interrupted run continues with --resume.",
-    )
-    dis.add_argument("--target", required=True, help="target (large) model: a folder, a hub id, or a bundled name")
-    dis.add_argument("--draft", required=True, help="draft (small) model to distil: a folder, a hub id, or a bundled name")
-    dis.add_argument("--prompts", required=True, metavar="FILE",
-                     help="training prompts: a UTF-8 text file, one prompt per line, or .jsonl with a \"prompt\" or "
-                     "\"text\" field")
-    dis.add_argument("--out", required=True, metavar="DIR", help="folder of the distilled draft (must not exist, "
-                     "unless --overwrite)")
-    dis.add_argument("--eval-prompts", default=None, metavar="FILE",
-                     help="held-out prompts for the before/after evaluation (same formats); by default "
-                     "--eval-count prompts of --prompts are held out and never trained on")
-    dis.add_argument("--eval-count", type=int, default=d.eval_count,
-                     help="held-out prompts run through the decoder before and after (0: none)")
-    dis.add_argument("--agreement-count", type=int, default=d.agreement_count,
-                     help="held-out prompts of the teacher-forced agreement with the target's greedy text, before "
-                     "and after, with a 95%% interval on the gain: one draft forward per prompt, so many prompts "
-                     "are cheap and narrow the interval (0: the --eval-count ones)")
-    dis.add_argument("--max-prompts", type=int, default=None, help="train on at most this many prompts (default: all)")
-    dis.add_argument("--prompt-chars", type=_prompt_chars, default=None, metavar="MIN-MAX",
-                     help="cut each training prompt to a seeded length of MIN to MAX characters (for paragraphs "
-                     "of a corpus used as prompts)")
-    dis.add_argument("--new-tokens", type=int, default=d.new_tokens, help="target tokens per continuation")
-    dis.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=list(d.modes),
-                     help="continuations per prompt: greedy, sampled (T=1, the full distribution), or both")
-    dis.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts per batched target generate")
-    dis.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
-                     help="what generates the target's continuations: transformers' generate, or vLLM (installed "
-                          "separately; it loads the target a second time, for generation only)")
-    dis.add_argument("--max-steps", type=int, default=d.max_steps, help="training steps")
-    dis.add_argument("--max-seconds", type=float, default=None,
-                     help="wall budget for data and training: generation stops starting batches past half of it, "
-                     "training stops at it (evaluation comes on top)")
-    dis.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per training step")
-    dis.add_argument("--lr", dest="learning_rate", metavar="LR", type=float, default=d.learning_rate,
-                     help="peak learning rate (warmup, cosine decay)")
-    dis.add_argument("--max-length", type=int, default=d.max_length, help="draft tokens per training sequence")
-    dis.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft) and merge them into "
-                     "the saved draft, instead of training every weight")
-    dis.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank (with --lora)")
-    dis.add_argument("--freeze-embeddings", action="store_true",
-                     help="train every weight but the input embeddings (and an output head tied to them): faster "
-                     "steps where the vocabulary is most of the draft")
-    dis.add_argument("--token-loss", type=float, default=d.token_loss, metavar="WEIGHT",
-                     help="add a token-level cross-tokenizer loss with this weight: at each continuation position "
-                     "where both tokenizations start a token at the same byte, cross-entropy of the draft's next "
-                     "token against the target's top ids there that the draft has as one token of the same bytes "
-                     "(0: sequence-level alone)")
-    dis.add_argument("--token-top-k", type=int, default=d.token_top_k,
-                     help="target probabilities kept per position for --token-loss")
-    dis.add_argument("--cut-share", type=float, default=d.cut_share, metavar="SHARE",
-                     help="share of the training sequences tokenized as the text bridge shows text to the draft at "
-                     "a cycle start: cut at a target token boundary that falls inside one of the draft's own "
-                     "tokens (0: none)")
-    dis.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per held-out prompt")
-    dis.add_argument("--eval-temperature", type=float, default=d.eval_temperature,
-                     help="temperature of the sampled evaluation (tokens per target call)")
-    dis.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt split, sampling and training")
-    dis.add_argument("--dtype", choices=_DTYPES, default=d.dtype,
-                     help="both models' dtype for generation and evaluation (training keeps float32 weights "
-                     "with bfloat16 autocast where the hardware has it); the draft is saved in its own dtype")
-    dis.add_argument("--target-device", default=None, help="e.g. cuda:0")
-    dis.add_argument("--draft-device", default=None, help="e.g. cuda:0 (training runs there)")
-    dis.add_argument("--overwrite", action="store_true",
-                     help="replace an existing --out (kept until the new draft is complete), or discard an "
-                     "interrupted run's OUT.partial/ and start over")
-    dis.add_argument("--resume", action="store_true",
-                     help="continue an interrupted run from OUT.partial/ (its data and last checkpoint)")
-    dis.add_argument("--no-progress", action="store_true", help="no progress bars")
-    dis.set_defaults(func=_distill)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtokspec", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
-        "generate", formatter_class=_HelpFormatter,
+        "generate", formatter_class=HelpFormatter,
         help="continue a prompt with speculative decoding (bundled fixture models by default)",
         description="Continue a prompt with speculative decoding; the output is the target's own (greedy: token "
         "for token; sampling: the same distribution). Prints the continuation, then the models and statistics "
@@ -369,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how both models' short forwards run: auto (the default) records them as CUDA graphs on a "
                      "GPU where the models allow it and runs them eagerly elsewhere; graphs; inductor (torch.compile, "
                      "minutes to compile on a GPU; a bare --compile means this); off (eager). See docs/gpu.md")
-    gen.add_argument("--dtype", choices=_DTYPES, default="auto",
+    gen.add_argument("--dtype", choices=DTYPES, default="auto",
                      help="weights' dtype for both models; auto = the checkpoint's own, as transformers and the "
                      "Python API load it (bfloat16 for the bundled models)")
     gen.add_argument("--cpu-linears", choices=CPU_LINEARS, default="torch",
@@ -392,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     _document_bench(sub.choices["bench"])
-    _add_distill_parser(sub)
+    add_distill_parser(sub, HelpFormatter)
     return parser
 
 
@@ -422,7 +276,7 @@ def _bench_mode(text: str) -> str:
 
 def _document_bench(bench: argparse.ArgumentParser) -> None:
     """`xtokspec bench --help`: a description, help on every option, the defaults shown."""
-    bench.formatter_class = _HelpFormatter
+    bench.formatter_class = HelpFormatter
     bench.description = (
         "Benchmark xtokspec against the target alone and transformers' assisted generation on a preset's models: "
         "every system on every prompt and mode, interleaved prompt by prompt after a warm-up, the target's and "

@@ -1,0 +1,101 @@
+"""One vLLM request's draft (`RequestDraft`): its ids and KV cache and the mapper that keeps it on the committed
+text, built by `decode.assemble.request_draft` and driven by `proposer.TextBridgeProposer` (its `owner`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..decode import assemble
+from ..decode.loop import make_room
+from ..text.codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
+from ..types import Laps
+
+LOOKBEHIND = 2  # kept draft ids re-encoded with new committed text (SpecConfig.draft_lookbehind's default)
+
+
+class RequestDraft:
+    """One request's draft: its ids and KV cache (`ModelState`) and the mapper that keeps it on the committed text."""
+
+    def __init__(self, owner, target_ids: list[int]):
+        self.owner = owner
+        self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
+        self.draft_steps = 0  # the last proposal's draft forwards
+        self.prefill_s = 0.0  # seconds of a prefill this step ran outside the batch (counted as drafting)
+        self.entry = None  # the request table's entry that holds this state
+        pair = owner.pair
+        if pair.same_vocab:
+            prompt, tail = list(target_ids), []
+        else:
+            split = complete_prefix(pair.target, target_ids)
+            text, special = owner.view.prompt(target_ids[:split])  # a template's special tokens: the draft's or none
+            prompt = pair.draft.encode_prompt(text, special) if text else []
+            tail = list(target_ids[split:])  # the prompt ends inside a character: its first bytes wait
+        static = owner.draft_backend == "static"  # a dropped request's buffers (and their graphs), else new ones
+        self.state, self.mapper = assemble.request_draft(
+            pair, owner.kept, owner.draft_model, prompt, tail, backend=owner.draft_backend,
+            capacity=owner.static_len if static else owner.draft_limit, step=owner.step, lookbehind=LOOKBEHIND,
+            healing=owner.healing, target_vocab=owner.target_vocab)
+        self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
+
+    def advance(self, new_ids: list[int]) -> None:
+        """Commit the row's new target ids: keep the drafted ids they repeat, re-encode the rest."""
+        self.mapper.commit(self.state, self.drafted, new_ids)
+        self.drafted = []
+
+    def prepare(self, k: int, room: int) -> int:
+        """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""
+        state = self.state
+        self.draft_steps = 0
+        if not state.ids or room <= 0:
+            return 0
+        make_room(self.mapper, state, k + 1, self.limit)
+        return max(0, min(k, self.limit - len(state.ids) - 1))
+
+    @property
+    def first_ids(self) -> list[int] | None:
+        """The ids the first drafted token may be (those restating pending text), or None for any."""
+        restate = self.mapper.restate
+        return self.mapper.allowed(restate)[0] if restate else None
+
+    def heal_candidate(self) -> tuple[int, list[int]] | None:
+        """Token healing's candidate for a batched draft (`TextBridge.heal_candidate`), with the two uncached
+        ids `draft_together` then needs (the last one's cache position fed again where it is cached)."""
+        state = self.state
+        candidate = self.mapper.heal_candidate(state)
+        if candidate is None or len(state.ids) < 3:
+            return None
+        state.uncache_last(2)
+        return candidate
+
+    def propose(self, k: int, room: int, laps: Laps) -> list[int]:
+        """Draft k ids greedily, this request alone -> at most `room` target ids."""
+        k = self.prepare(k, room)
+        if k <= 0:
+            return []
+        proposal = self.owner.chain.propose(self.state, k, self.mapper, room, laps)
+        self.drafted, self.draft_steps = proposal.draft_ids, proposal.draft_steps
+        self.owner.stats.healed += proposal.healed
+        return proposal.target_ids
+
+    def finish(self, drafted: list[int], room: int, healed: bool = False) -> list[int]:
+        """Map ids drafted by `draft_together` (in the draft's ids and cache already; `healed`: its first id took
+        the place of the last one, which it took out of both) -> at most `room` target ids."""
+        if healed:
+            self.mapper.sync.heal()
+        eos = bool(drafted) and drafted[-1] in self.owner.chain.draft_eos
+        self.drafted, self.draft_steps = drafted, len(drafted)
+        return self.mapper.to_target(drafted, [], eos)[0][: max(0, room)]
+
+
+def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:
+    """The most leading ids whose bytes are complete UTF-8 (a prompt may end inside a character: byte-fallback
+    pieces, or a byte-level token holding part of one)."""
+    table = codec.token_bytes
+    data = b"".join(table[i] for i in ids)
+    valid = utf8_valid_prefix_len(data)
+    end = len(data)
+    for n in range(len(ids), 0, -1):
+        if end <= valid and is_char_boundary(data, end):
+            return n
+        end -= len(table[ids[n - 1]])
+    return 0
