@@ -106,7 +106,10 @@ def _load_models(preset: str, fixtures: Path, dtype, device: str) -> dict:
         paths = {"target": fixtures / "models" / "ja-target",
                  **{role: fixtures / "models" / name for role, name in FIXTURE_DRAFTS.items()}}
     else:
-        from xtokspec.cli.presets import real_model_dir  # raises a clear XTokSpecError when a model is absent
+        try:  # raises a clear XTokSpecError when a model is absent
+            from xtokspec.cli.presets import real_model_dir
+        except ImportError:  # NOTE: a worker on a tree from before xtokspec's packages finds it in xtokspec.bench
+            from xtokspec.bench import real_model_dir
 
         paths = {role: real_model_dir(name) for role, name in REAL_MODELS.items()}
     models = {role: load(path) for role, path in paths.items()}
@@ -312,7 +315,8 @@ def compare(workers: dict, prompts: list[str], args) -> list[dict]:
                     old_ids, new_ids = answers["old"]["token_ids"], answers["new"]["token_ids"]
                     if old_ids != new_ids and mismatch is None:
                         mismatch = {"repeat": repeat, "position": first_difference(old_ids, new_ids),
-                                    "old_len": len(old_ids), "new_len": len(new_ids)}
+                                    "old_len": len(old_ids), "new_len": len(new_ids),
+                                    "old_ids": old_ids, "new_ids": new_ids}  # for the logit margin there
                         print(f"!!!!! MISMATCH {system} {mode} prompt {index} (repeat {repeat}): token ids differ "
                               f"from position {mismatch['position']} (old {len(old_ids)} ids, new "
                               f"{len(new_ids)} ids) !!!!!", flush=True)

@@ -124,6 +124,37 @@ def test_state_is_bounded_over_a_thousand_requests():
     assert counts[900] <= counts[100] * 1.05 + 8, counts
 
 
+def test_matching_256_rows_costs_a_few_comparisons_per_row():
+    """256 running requests, rows shuffled every call, each growing by 1 to K + 1 ids (some by none: a preempted
+    request), 20 calls: every row finds its own entry, and the ids compared stay within a few entries per row (a
+    scan of every entry would compare up to 256 per row)."""
+    rng = random.Random(0)
+    table = RequestTable(max_states=512, max_new=K + 1)
+    running = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(256)]
+    running[1] = list(running[0])  # identical prompts too
+    entries = entries_of(table, [np.array(r) for r in running])
+    owner = {id(e): n for n, e in enumerate(entries)}
+    for _ in range(20):
+        before = table.comparisons
+        order = list(range(len(running)))
+        rng.shuffle(order)
+        for n in order:
+            running[n] += [rng.randrange(50) for _ in range(rng.choice([0, 1, 1, 2, K + 1]))]
+        got = entries_of(table, [np.array(running[n]) for n in order])
+        assert table.created == 256  # nobody lost their state
+        assert all(owner[id(e)] == n or {owner[id(e)], n} == {0, 1} for e, n in zip(got, order, strict=True))
+        assert table.comparisons - before <= 2 * len(running), table.comparisons - before
+
+
+def test_a_row_grown_past_max_new_gets_a_new_entry():
+    table = RequestTable(max_new=2)
+    (a,) = entries_of(table, [ids(1, 2)])
+    (same,) = entries_of(table, [ids(1, 2, 3, 4)])  # two more: found
+    assert same is a
+    (other,) = entries_of(table, [ids(1, 2, 3, 4, 5, 6, 7)])  # three more: past max_new, a new entry
+    assert other is not a and table.created == 2
+
+
 # ---------------------------------------------------------------------------------------------- the proposer
 def fake_vllm_config(draft=None, max_model_len=512, extra=None, device="cpu"):
     """What the proposer reads of vLLM's VllmConfig, for the fixture target."""

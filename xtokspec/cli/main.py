@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..options import compile_choice
 from ..runtime.models import CPU_LINEARS, FIXTURE_NAMES, check_source
-from ..types import TREE_ROOTS, SamplingParams, SpecConfig, XTokSpecError, check_prompt
+from ..types import TREE_ROOTS, ProposalKind, SamplingParams, SpecConfig, XTokSpecError, check_prompt
 from .bench import add_bench_parser, calibration_lines, read_text
 from .common import DTYPES, HelpFormatter, show_library_log
 from .distill_cmd import add_distill_parser
@@ -125,7 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
         stats, text = result.stats, result.text
     print(f"[xtokspec] {spec.describe()}", file=sys.stderr)
     kind = stats.proposal
-    if stats.proposal == "auto":  # chosen each cycle: say which kinds ran, how often
+    if stats.proposal == ProposalKind.AUTO.value:  # chosen each cycle: say which kinds ran, how often
         kind += " (" + ", ".join(f"{k} {n}" for k, n in sorted(stats.proposal_cycles.items())) + " cycles)"
     print(f"[xtokspec] {kind}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
     if args.compare:

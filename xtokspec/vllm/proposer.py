@@ -161,7 +161,9 @@ class TextBridgeProposer:
             if sliding else None
         self.batched = bool(extra.get(BATCHED_KEY, True)) and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
+        # a row gains at most K + 1 ids a step (accepted proposals and one more)
         self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs,
+                                  max_new=self.k + 1,
                                   on_drop=self._release)
         # Captured drafts: each request's draft steps recorded as CUDA graphs over a static cache of its own,
         # replayed at each step (xtokspec's GraphedStep, as XTokSpec's default on a GPU); a dropped request's
@@ -255,9 +257,8 @@ class TextBridgeProposer:
             if hit is None:
                 continue
             entry, seen = hit
-            row_ids = rows[r].tolist()
             try:
-                item = self._prepare_row(r, entry, seen, row_ids)
+                item = self._prepare_row(r, entry, seen, rows[r])
             except Exception as err:
                 self._fault(err, "preparing a request's draft")
                 self.table.discard(entry)
@@ -318,20 +319,20 @@ class TextBridgeProposer:
         stats.calls += 1
         return out
 
-    def _prepare_row(self, r: int, entry, seen: int, row_ids: list[int]) -> tuple | None:
+    def _prepare_row(self, r: int, entry, seen: int, row: np.ndarray) -> tuple | None:
         """Bring a row's request to its ids (a new request: a new state) -> what drafts it: (row, request, room,
         healing's candidate) for the batch, (row, request, room) alone, or None: nothing this step."""
         stats = self.stats
         if entry.payload is None:
-            entry.payload = RequestDraft(self, row_ids)
+            entry.payload = RequestDraft(self, row.tolist())
             entry.payload.entry = entry
             stats.new_states += 1
-        elif seen < len(row_ids) or entry.payload.drafted:
-            entry.payload.advance(row_ids[seen:])
-        if row_ids[-1] in self.pair.target_eos:
+        elif seen < len(row) or entry.payload.drafted:
+            entry.payload.advance(row[seen:].tolist())  # NOTE: only the new ids leave numpy (rows are long)
+        if int(row[-1]) in self.pair.target_eos:
             return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
         request = entry.payload
-        room = min(self.k, self.max_model_len - len(row_ids) - 1)
+        room = min(self.k, self.max_model_len - len(row) - 1)
         stats.rows += 1
         state = request.state
         if self.batched and request.prepare(self.k, room) == self.k:

@@ -1,6 +1,11 @@
 """Requests found again from their token ids alone: vLLM hands its proposer rows with no request ids, and a
 request's row moves between steps (the rule: xtokspec/vllm/proposer.py's module docstring). `RequestTable` pairs each row
-with the state it had, by the longest prefix of its ids, one state per row."""
+with the state it had, by the longest prefix of its ids, one state per row.
+
+Entries are indexed by what they last saw (its length and last few ids), and a row grows by at most `max_new` ids
+between two calls (vLLM commits at most K + 1 per step), so a row looks up at most `max_new` + 1 keys and compares
+its ids only with the entries found there: a call costs O(rows), not O(rows x entries). A row that grew by more
+gets a new entry, which costs acceptance (its draft prefills again), never correctness."""
 
 from __future__ import annotations
 
@@ -20,17 +25,26 @@ class Entry:
     number: int = field(default=0)  # creation order: ties between equal matches go to the older entry
 
 
+def key(ids: np.ndarray, n: int) -> tuple:
+    """What the index keys an entry that saw ids[:n] by: n and its last (up to) 4 ids."""
+    return n, *ids[max(0, n - 4) : n].tolist()
+
+
 class RequestTable:
     """Per-request states found again from token ids (the rule: this module's docstring)."""
 
-    def __init__(self, idle_calls: int = 4, max_states: int = 1024, on_drop=None):
-        """`on_drop(payload)`: called with each dropped entry's payload (to hand its resources back)."""
-        if idle_calls < 0 or max_states < 1:
-            raise ValueError(f"need idle_calls >= 0 and max_states >= 1, got {idle_calls}, {max_states}")
-        self.idle_calls, self.max_states = idle_calls, max_states
+    def __init__(self, idle_calls: int = 4, max_states: int = 1024, on_drop=None, max_new: int = 64):
+        """`on_drop(payload)`: called with each dropped entry's payload (to hand its resources back); `max_new`: the
+        most ids a row can gain between two calls."""
+        if idle_calls < 0 or max_states < 1 or max_new < 0:
+            raise ValueError(f"need idle_calls >= 0, max_states >= 1 and max_new >= 0, got {idle_calls}, "
+                             f"{max_states}, {max_new}")
+        self.idle_calls, self.max_states, self.max_new = idle_calls, max_states, max_new
         self.on_drop = on_drop
         self.entries: list[Entry] = []
+        self.index: dict[tuple, list[Entry]] = {}  # key(ids seen) -> entries, oldest first
         self.created = self.dropped = 0
+        self.comparisons = 0  # rows' ids compared with an entry's (what a call costs, counted by the tests)
 
     def assign(self, rows: Sequence[np.ndarray | None]) -> list[tuple[Entry, int] | None]:
         """For each row (its ids, or None for a row that wants no proposal): (its entry, how many of the row's ids
@@ -40,10 +54,11 @@ class RequestTable:
         for r, row in enumerate(rows):
             if row is None:
                 continue
-            for e in self.entries:
-                n = len(e.ids)
-                if n <= len(row) and (n == 0 or row[n - 1] == e.ids[-1]) and np.array_equal(row[:n], e.ids):
-                    pairs.append((-n, e.number, r, e))
+            for n in range(len(row), max(0, len(row) - self.max_new - 1), -1):
+                for e in self.index.get(key(row, n), ()):
+                    self.comparisons += 1
+                    if np.array_equal(row[:n], e.ids):
+                        pairs.append((-n, e.number, r, e))
         pairs.sort(key=lambda p: p[:3])
         out: list[tuple[Entry, int] | None] = [None] * len(rows)
         taken: set[int] = set()
@@ -61,13 +76,29 @@ class RequestTable:
                 self.created += 1
                 self.entries.append(e)
                 out[r] = (e, 0)
-            out[r][0].ids = np.array(row, copy=True)
+            e = out[r][0]
+            self._unindex(e)
+            e.ids = np.array(row, copy=True)
+            self.index.setdefault(key(e.ids, len(e.ids)), []).append(e)
+        for bucket in self.index.values():  # NOTE: ties between equal matches go to the older entry
+            if len(bucket) > 1:
+                bucket.sort(key=lambda e: e.number)
         self._drop()
         return out
+
+    def _unindex(self, entry: Entry) -> None:
+        if len(entry.ids):
+            k = key(entry.ids, len(entry.ids))
+            bucket = self.index.get(k, [])
+            if entry in bucket:
+                bucket.remove(entry)
+            if not bucket:
+                self.index.pop(k, None)
 
     def discard(self, entry: Entry) -> None:
         """Drop one entry now (its payload handed to `on_drop`): a row that matched it gets a new entry next time."""
         self.entries = [e for e in self.entries if e is not entry]
+        self._unindex(entry)
         self.dropped += 1
         if self.on_drop is not None and entry.payload is not None:
             self.on_drop(entry.payload)
@@ -79,9 +110,11 @@ class RequestTable:
             keep = keep[: self.max_states]
             keep.sort(key=lambda e: e.number)
         self.dropped += len(self.entries) - len(keep)
-        if self.on_drop is not None and len(keep) < len(self.entries):
+        if len(keep) < len(self.entries):
             kept = {id(e) for e in keep}
             for e in self.entries:
-                if id(e) not in kept and e.payload is not None:
-                    self.on_drop(e.payload)
+                if id(e) not in kept:
+                    self._unindex(e)
+                    if self.on_drop is not None and e.payload is not None:
+                        self.on_drop(e.payload)
         self.entries = keep
