@@ -829,6 +829,40 @@ def vllm_outputs(request, heldout_prompts):
 
 @needs_vllm
 @pytest.mark.vllm
+@uses("single", "batch")
+def test_vllm_faults_inside_the_proposer_never_change_the_output(vllm_outputs, heldout_prompts, monkeypatch):
+    """A real vLLM engine with the proposer, faults injected every few calls at each drafting site (batched and
+    lone drafting, a mapper's commit, a prefill, a new state): the engine goes on, requests one at a time and 8 at
+    once get vLLM's target-alone output, and the proposer counts the faults."""
+    import gc
+    import importlib
+
+    from vllm import LLM
+
+    earlier = set(TextBridgeProposer.instances)
+    llm = LLM(**llm_kwargs(speculative_config=SPEC_CONFIG, additional_config=DRAFT_CONFIG))
+    (proposer,) = [p for p in TextBridgeProposer.instances if p not in earlier]
+    faults = []
+    for where, (path, attribute) in FAULTS.items():
+        module, _, cls = path.rpartition(".") if where in ("chain", "mapper", "new state") else (path, "", "")
+        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        fault = faulty(getattr(owner, attribute), every=4, first=1 if where in ("prefill", "new state") else None)
+        monkeypatch.setattr(owner, attribute, fault)
+        faults.append(fault)
+    try:
+        singles = [generate(llm, [p])[0] for p in heldout_prompts[:2]]
+        batch = generate(llm, batch_prompts(heldout_prompts))
+    finally:
+        monkeypatch.undo()
+        del llm
+        gc.collect()
+    assert singles == vllm_outputs["alone"]["single"][:2]
+    assert batch == vllm_outputs["alone"]["batch"]
+    assert sum(f.counts["raised"] for f in faults) > 0 and proposer.stats.faults > 0, proposer.stats
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_distill_continuations_through_vllm_are_the_targets(heldout_prompts, tmp_path):
     """`xtokspec distill --engine vllm`: vLLM's greedy continuations (float32) are transformers' own, with the
     same top log-probabilities per token (the token-level loss's targets); sampled ones are continuations of their
