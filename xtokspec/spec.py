@@ -147,7 +147,6 @@ class XTokSpec:
         config = options.call_config(self.config, tree_width=tree_width)
         target_ids, draft_ids = prompt_ids(self, prompt, max_new_tokens)  # NOTE: refused before any step is made
         check_trees(self.target_model, config)
-        self.kept.clock = self.clock
         return assemble.warm_up(self.kept, self.target_model, self.draft_model, target_ids, draft_ids,
                                 max_new_tokens, config, progress)
 
@@ -201,7 +200,6 @@ class XTokSpec:
         kind = options.proposal_kind(self.same_vocab, params, proposal or config.proposal, config.tree_width)
         stats.proposal = kind.value + (" tree" if config.tree_width > 1 else "")
         kept = self.kept
-        kept.clock = self.clock
         # Inference mode around each cycle, never across a yield: the caller's code between two cycles (another
         # stream's, a training step) runs in its own grad mode, and interleaved streams cannot leave it switched off
         with torch.inference_mode():
@@ -209,7 +207,8 @@ class XTokSpec:
                                             max_new_tokens, config)
             before = kept.capture_seconds
             run = assemble.generation(self.pair, kept, target, draft, stats, params, config, kind,
-                                      fallback_policy=self.fallback_policy, sampler_ops=self.sampler_ops)
+                                      fallback_policy=self.fallback_policy, sampler_ops=self.sampler_ops,
+                                      clock=self.clock)
             steps = loop.cycles(run, max_new_tokens)
         try:
             while True:

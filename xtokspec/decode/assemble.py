@@ -1,8 +1,8 @@
 """The one place where a generation's or a vLLM request's drafting state is built.
 
 `Pair` is what the two tokenizers give (their byte views, EOS ids, the maps between the vocabularies); `Kept` is
-what outlives one generation (captured steps, idle static caches, the learned policies and measured costs, the
-clock). From them and the options:
+what outlives one generation (captured steps, idle static caches, the learned policies and measured costs). From
+them and the options:
 - `generation` builds one `loop.Run` for `XTokSpec` (its mapper, proposer, verifier's sampler and policies);
 - `request_draft` builds one vLLM request's draft state and mapper for `xtokspec.vllm`.
 Both choose the mapper through `mapper`, by the proposal kind (`types.ProposalKind`).
@@ -63,10 +63,9 @@ class Pair:
 
 class Kept:
     """What outlives one generation: each model's captured step, idle static caches, the policies' learned state
-    per setting, and the clock the loop reads."""
+    per setting."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
+    def __init__(self):
         self.steps: dict[int, object] = {}  # id(model) -> its step (SpecConfig.compile), or None: eager
         self.idle_kv: dict[int, list] = {}  # id(model) -> static caches no generation holds, the largest first
         self.tree_size_times: dict = {}  # captured tree verification costs per size (policy.TreeBudget)
@@ -165,10 +164,11 @@ def states(kept: Kept, target_model, draft_model, target_ids: list[int], draft_i
 def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, stats: GenerationStats,
                params: SamplingParams, config: SpecConfig, kind: ProposalKind, *,
                fallback_policy: Callable[[SpecConfig], FallbackPolicy] | None = None,
-               sampler_ops: SamplerOps | None = None) -> loop.Run:
+               sampler_ops: SamplerOps | None = None, clock: Callable[[], float] = time.perf_counter) -> loop.Run:
     """One generation's loop state over both models' states: its mapper, proposer, sampler and policies.
     `fallback_policy`: config -> the policy that chooses target-alone cycles (None: the measured
-    `policy.Fallback`); `sampler_ops`: the verifier's sampling steps (None: the proven ones)."""
+    `policy.Fallback`); `sampler_ops`: the verifier's sampling steps (None: the proven ones); `clock`: what the
+    loop's timings, and so the policies, read."""
     target_model, draft_model = target.model, draft.model
     kinds = {step_kind(target.step), step_kind(draft.step)}
     stats.cache = (f"{target.backend}/{draft.backend}" + ("+graphs" if "graphs" in kinds else "")
@@ -207,7 +207,7 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
         fallback=fallback, observers=policies, stats=stats, target_eos=pair.target_eos,
         target_limit=min(context_limit(target_model) or 1 << 30, target.capacity),
         draft_limit=min(context_limit(draft_model) or 1 << 30, draft.capacity, config.draft_context or 1 << 30),
-        draft_room=config.max_draft_tokens + 1, clock=kept.clock,
+        draft_room=config.max_draft_tokens + 1, clock=clock,
     )
 
 

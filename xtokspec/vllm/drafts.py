@@ -20,8 +20,6 @@ class RequestDraft:
         self.owner = owner
         self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
         self.draft_steps = 0  # the last proposal's draft forwards
-        self.prefill_s = 0.0  # seconds of a prefill this step ran outside the batch (counted as drafting)
-        self.entry = None  # the request table's entry that holds this state
         pair = owner.pair
         if pair.same_vocab:
             prompt, tail = list(target_ids), []

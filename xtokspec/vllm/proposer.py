@@ -60,7 +60,7 @@ from ..text.codec import TokenCodec
 from ..types import Laps, XTokSpecError
 from .batch import draft_together, prefill_tail
 from .drafts import RequestDraft
-from .requests import RequestTable
+from .requests import Entry, RequestTable
 
 log = logging.getLogger("xtokspec")
 
@@ -250,35 +250,39 @@ class TextBridgeProposer:
             rows.append(token_ids_cpu[r, :n] if sampled and n < self.max_model_len else None)
         assigned = self.table.assign(rows)
         out: list[list[int]] = [[] for _ in rows]
-        # (row, its draft, room, token healing's candidate): drafted in one batch
-        together: list[tuple[int, RequestDraft, int, tuple | None]] = []
-        alone: list[tuple[int, RequestDraft, int]] = []  # drafted one request at a time
+        # (row, its table entry, room, token healing's candidate): drafted in one batch
+        together: list[tuple[int, Entry, int, tuple | None]] = []
+        alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
         for r, hit in enumerate(assigned):
             if hit is None:
                 continue
             entry, seen = hit
             try:
-                item = self._prepare_row(r, entry, seen, rows[r])
+                prepared = self._prepare_row(entry, seen, rows[r])
             except Exception as err:
                 self._fault(err, "preparing a request's draft")
                 self.table.discard(entry)
                 continue
-            if item is not None:
-                (together if len(item) == 4 else alone).append(item)
-            if entry.payload is not None and entry.payload.prefill_s:
-                t0 += entry.payload.prefill_s  # a prefill outside the batch counts as drafting, not other_s
-                entry.payload.prefill_s = 0.0
+            if prepared is None:
+                continue
+            room, batch, heal, prefill_s = prepared
+            t0 += prefill_s  # a prefill outside the batch counts as drafting, not other_s
+            if batch:
+                together.append((r, entry, room, heal))
+            else:
+                alone.append((r, entry, room))
         if len(together) == 1:  # nothing to batch with
             alone += [item[:3] for item in together]
             together = []
-        for r, request, room in alone:
+        for r, entry, room in alone:
+            request = entry.payload
             laps = Laps()
             stats.other_s += laps.start - t0
             try:
                 out[r] = request.propose(self.k, room, laps)
             except Exception as err:
                 self._fault(err, "drafting for a request")
-                self._discard(request)
+                self.table.discard(entry)
                 out[r] = []
             stats.draft_s += laps.seconds["draft"]
             stats.bridge_s += laps.seconds["bridge"]
@@ -289,13 +293,14 @@ class TextBridgeProposer:
             t1 = time.perf_counter()
             stats.other_s += t1 - t0
             try:
+                requests = [entry.payload for _, entry, _, _ in together]
                 drafted, copy_s, healed = draft_together(
-                    self.draft_model, [request.state for _, request, _, _ in together], self.k, self.chain.draft_eos,
-                    self.window, [request.first_ids for _, request, _, _ in together], [h for *_, h in together])
+                    self.draft_model, [request.state for request in requests], self.k, self.chain.draft_eos,
+                    self.window, [request.first_ids for request in requests], [h for *_, h in together])
             except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
                 self._fault(err, "drafting a batch of requests", len(together))
-                for _, request, _, _ in together:
-                    self._discard(request)
+                for _, entry, _, _ in together:
+                    self.table.discard(entry)
                 drafted = None
             t0 = time.perf_counter()
             if drafted is not None:
@@ -303,12 +308,12 @@ class TextBridgeProposer:
                 stats.copy_s += copy_s
                 stats.batched_forwards += self.k
                 stats.healed += sum(healed)
-                for (r, request, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
+                for (r, entry, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
                     try:
-                        out[r] = request.finish(ids, room, was_healed)
+                        out[r] = entry.payload.finish(ids, room, was_healed)
                     except Exception as err:
                         self._fault(err, "mapping a request's draft")
-                        self._discard(request)
+                        self.table.discard(entry)
                         out[r] = []
                     stats.draft_forwards += len(ids)
                     stats.proposed += len(out[r])
@@ -319,13 +324,12 @@ class TextBridgeProposer:
         stats.calls += 1
         return out
 
-    def _prepare_row(self, r: int, entry, seen: int, row: np.ndarray) -> tuple | None:
-        """Bring a row's request to its ids (a new request: a new state) -> what drafts it: (row, request, room,
-        healing's candidate) for the batch, (row, request, room) alone, or None: nothing this step."""
+    def _prepare_row(self, entry: Entry, seen: int, row: np.ndarray) -> tuple | None:
+        """Bring a row's request to its ids (a new request: a new state) -> None (nothing to draft this step) or
+        (room, whether it drafts in the batch, token healing's candidate there, seconds of a prefill it ran)."""
         stats = self.stats
         if entry.payload is None:
             entry.payload = RequestDraft(self, row.tolist())
-            entry.payload.entry = entry
             stats.new_states += 1
         elif seen < len(row) or entry.payload.drafted:
             entry.payload.advance(row[seen:].tolist())  # NOTE: only the new ids leave numpy (rows are long)
@@ -335,22 +339,17 @@ class TextBridgeProposer:
         room = min(self.k, self.max_model_len - len(row) - 1)
         stats.rows += 1
         state = request.state
+        prefill_s = 0.0
         if self.batched and request.prepare(self.k, room) == self.k:
             if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
                 t1 = time.perf_counter()
                 prefill_tail(state)  # a new request's prompt, or all ids cached: on its own, before the batch
-                request.prefill_s = time.perf_counter() - t1
-                stats.draft_s += request.prefill_s
+                prefill_s = time.perf_counter() - t1
+                stats.draft_s += prefill_s
             fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
             if state.cached >= 1 and fits:
-                return r, request, room, request.heal_candidate()
-        return r, request, room
-
-    def _discard(self, request: RequestDraft) -> None:
-        """Drop a request's state after a fault: its next row starts a new one from the row's ids."""
-        entry = getattr(request, "entry", None)
-        if entry is not None and entry in self.table.entries:
-            self.table.discard(entry)
+                return room, True, request.heal_candidate(), prefill_s
+        return room, False, None, prefill_s
 
     @property
     def states(self) -> int:

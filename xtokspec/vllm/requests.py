@@ -9,6 +9,7 @@ gets a new entry, which costs acceptance (its draft prefills again), never corre
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,10 +80,8 @@ class RequestTable:
             e = out[r][0]
             self._unindex(e)
             e.ids = np.array(row, copy=True)
-            self.index.setdefault(key(e.ids, len(e.ids)), []).append(e)
-        for bucket in self.index.values():  # NOTE: ties between equal matches go to the older entry
-            if len(bucket) > 1:
-                bucket.sort(key=lambda e: e.number)
+            # NOTE: each bucket oldest first: ties between equal matches go to the older entry
+            bisect.insort(self.index.setdefault(key(e.ids, len(e.ids)), []), e, key=lambda x: x.number)
         self._drop()
         return out
 
@@ -96,7 +95,10 @@ class RequestTable:
                 self.index.pop(k, None)
 
     def discard(self, entry: Entry) -> None:
-        """Drop one entry now (its payload handed to `on_drop`): a row that matched it gets a new entry next time."""
+        """Drop one entry now (its payload handed to `on_drop`): a row that matched it gets a new entry next time.
+        An entry already dropped is left alone (its payload was handed back once)."""
+        if not any(e is entry for e in self.entries):
+            return
         self.entries = [e for e in self.entries if e is not entry]
         self._unindex(entry)
         self.dropped += 1
