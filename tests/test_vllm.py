@@ -164,7 +164,8 @@ def fake_vllm_config(draft=None, max_model_len=512, extra=None, device="cpu"):
         max_model_len=max_model_len, get_vocab_size=lambda: 8000,
         try_get_generation_config=lambda: {"eos_token_id": EOS},
     )
-    additional = dict(extra or {})
+    # a fixed K unless a test asks for the adaptive lengths: these tests compare proposals step for step
+    additional = {"xtokspec_adaptive": False, **(extra or {})}
     if draft is not None:
         additional["xtokspec_draft"] = str(draft)
     return types.SimpleNamespace(

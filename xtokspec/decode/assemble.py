@@ -30,6 +30,7 @@ from .mapping import IntersectionMap, SameVocab, Switching, TextBridge, VocabMap
 from .policy import DraftingCost, DraftLength, Fallback, ProposalChooser, TreeBudget, VerifyCost
 from .propose import ChainProposer, TreeProposer
 from .protocols import FallbackPolicy, MapperChoice
+from .rows import RowDraftLengths
 from .verify import Sampler, SamplerOps
 
 # the kinds whose proposals are one-hot through the text bridge: the only ones that carry a healed token's
@@ -74,6 +75,7 @@ class Kept:
         # DraftingCost and the DraftLength policy carry over between generations (the costs are the models' and
         # the device's, the acceptance the pair's on similar text), so a later generation starts from them
         self.learned: dict[tuple, tuple[DraftingCost, DraftLength]] = {}
+        self.serving: dict[tuple, RowDraftLengths] = {}  # per (cap, adaptive): a vLLM proposer's draft lengths
 
     def step(self, model, compile, cache: str, role: str):
         """`model`'s step (compile.choose_step: CUDA graphs, torch.compile, or None for eager), chosen once (a
@@ -110,6 +112,10 @@ class Kept:
         if setting not in self.learned:
             self.learned[setting] = DraftingCost(alone_run=Fallback.PROBE_DRAFT_FIRST), DraftLength(config, VerifyCost())
         return self.learned[setting]
+
+    def row_lengths(self, cap: int, adaptive: bool = True) -> RowDraftLengths:
+        """The draft-length policy of requests served together (a vLLM proposer's), with what it has learned."""
+        return self.serving.setdefault((cap, adaptive), RowDraftLengths(cap, adaptive))
 
     @property
     def capture_seconds(self) -> float:

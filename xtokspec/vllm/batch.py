@@ -12,10 +12,12 @@ from ..runtime.cache import ModelState
 from ..runtime.kv import dynamic_cache, to_device
 
 
-def prefill_tail(state: ModelState) -> None:
-    """Feed all of the state's uncached ids but the last (whose logits drafting needs), without logits."""
+def prefill_tail(state: ModelState, limit: int | None = None) -> None:
+    """Feed the state's uncached ids but the last (whose logits drafting needs), at most `limit` of them, without
+    logits."""
     state.uncache_last(1)  # all cached (after a rollback): the last one is fed again
     new = state.ids[state.cached : -1]
+    new = new if limit is None else new[:limit]
     if new:
         state._forward(state.model, to_device([new], state.device), logits_to_keep=1)
         state.kv.advance(len(new))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from ..decode import assemble
 from ..decode.loop import make_room
+from ..decode.rows import Acceptance
 from ..text.codec import TokenCodec, is_char_boundary, utf8_valid_prefix_len
 from ..types import Laps
 
@@ -20,6 +21,9 @@ class RequestDraft:
         self.owner = owner
         self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
         self.draft_steps = 0  # the last proposal's draft forwards
+        self.proposed: list[int] = []  # the last proposal's target ids, until vLLM's answer to it is seen
+        self.pending: list[int] = []  # committed target ids not yet given to the draft (it did not draft since)
+        self.acceptance = Acceptance()  # what vLLM accepted of this request's proposals (decode.rows)
         pair = owner.pair
         if pair.same_vocab:
             prompt, tail = list(target_ids), []
@@ -35,13 +39,28 @@ class RequestDraft:
             healing=owner.healing, target_vocab=owner.target_vocab)
         self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
 
-    def advance(self, new_ids: list[int]) -> None:
-        """Commit the row's new target ids: keep the drafted ids they repeat, re-encode the rest."""
-        self.mapper.commit(self.state, self.drafted, new_ids)
-        self.drafted = []
+    def advance(self, new_ids: list[int], policy=None) -> None:
+        """The row's new target ids: `policy` (decode.rows.RowDraftLengths) learns what vLLM did with the last
+        proposal; the draft commits them now if it drafted last (keeping the drafted ids they repeat, re-encoding
+        the rest), else when it drafts next (a request that is not drafting costs no bridging)."""
+        if policy is not None and self.proposed:
+            policy.observe_proposal(self.acceptance, self.proposed, new_ids)
+        self.proposed = []
+        if self.drafted:
+            self.mapper.commit(self.state, self.drafted, new_ids)
+            self.drafted = []
+        else:
+            self.pending += new_ids
+
+    def catch_up(self) -> None:
+        """Commit the ids that arrived while the request was not drafting."""
+        if self.pending:
+            self.mapper.commit(self.state, [], self.pending)
+            self.pending = []
 
     def prepare(self, k: int, room: int) -> int:
         """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""
+        self.catch_up()
         state = self.state
         self.draft_steps = 0
         if not state.ids or room <= 0:

@@ -72,7 +72,9 @@ GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorde
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
+CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
+ADAPTIVE_KEY = "xtokspec_adaptive"  # False: every request drafts num_speculative_tokens every step (default: chosen)
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
@@ -82,12 +84,16 @@ class ProposerStats:
 
     calls: int = 0  # propose calls
     rows: int = 0  # rows that were given a chance to propose
+    drafting_rows: int = 0  # of those, the rows the policy let draft (decode.rows.RowDraftLengths)
     proposed: int = 0  # target ids proposed
     draft_forwards: int = 0  # drafted ids (one forward per drafted id, per request, when not batched)
     batched_forwards: int = 0  # forwards over several requests at once (draft_together)
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
+    prefill_chunks: int = 0  # steps in which a request's draft read a chunk of a long text instead of drafting
     healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
+    quiet_calls: int = 0  # calls in which no row drafted
+    quiet_s: float = 0.0  # seconds those calls took (matching rows and bookkeeping: a step without drafts costs this)
     faults: int = 0  # requests that got no proposal because drafting for them failed (logged once per kind)
     draft_s: float = 0.0  # seconds in the draft's forwards
     bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
@@ -190,11 +196,18 @@ class TextBridgeProposer:
             self.batched = False
             if self.step is not None:
                 self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
+        # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
+        self.policy = self.kept.row_lengths(self.k, bool(extra.get(ADAPTIVE_KEY, True)))
+        self._last_end: float | None = None  # when the last propose call returned
+        self._last_step = 0, 0  # the requests and the proposals the step after it verifies
+        self.prefill_chunk = extra.get(CHUNK_KEY, 64)
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            raise XTokSpecError(f"{CHUNK_KEY}: a positive number of ids, got {self.prefill_chunk!r}")
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
         TextBridgeProposer.instances.add(self)
-        log.info("xtokspec proposer: draft %s (%s, %s), K=%d, %s, %s", draft, type(self.draft_model).__name__,
-                 dtype, self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
+        log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
+                 dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
                  "draft forwards batched across requests" if self.batched
                  else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
                  else "one draft forward per request")
@@ -241,45 +254,72 @@ class TextBridgeProposer:
                         "s" if requests > 1 else "", exc_info=err)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        stats = self.stats
-        t0 = time.perf_counter()
+        stats, policy = self.stats, self.policy
+        t0 = call_start = time.perf_counter()
         rows: list[np.ndarray | None] = []
         for r, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[r])
             # NOTE: no new ids: a chunked prefill still running (vLLM asks for no proposal there)
             rows.append(token_ids_cpu[r, :n] if sampled and n < self.max_model_len else None)
         assigned = self.table.assign(rows)
+        # the step since the last call: its time is the target's over the positions it scheduled, unless a
+        # prefill ran in it (a new request, or one still prefilling)
+        decode_only = all(row is not None for row in rows) and all(hit is None or hit[1] for hit in assigned)
+        if self._last_end is not None and decode_only and self._last_step[0]:
+            policy.observe_step(*self._last_step, call_start - self._last_end)
         out: list[list[int]] = [[] for _ in rows]
-        # (row, its table entry, room, token healing's candidate): drafted in one batch
-        together: list[tuple[int, Entry, int, tuple | None]] = []
-        alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
+        candidates: list[tuple[int, Entry, int]] = []  # (row, its table entry, room): rows that may draft
+        live = 0  # rows in the next step
         for r, hit in enumerate(assigned):
             if hit is None:
                 continue
             entry, seen = hit
             try:
-                prepared = self._prepare_row(entry, seen, rows[r])
+                room = self._advance_row(entry, seen, rows[r])
             except Exception as err:
                 self._fault(err, "preparing a request's draft")
                 self.table.discard(entry)
                 continue
-            if prepared is None:
+            live += room is not None
+            if room:
+                candidates.append((r, entry, room))
+        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.batched)
+        k = max(lengths, default=0)
+        stats.rows += len(candidates)
+        stats.drafting_rows += sum(x > 0 for x in lengths)
+        # (row, its table entry, room, token healing's candidate): drafted in one batch
+        together: list[tuple[int, Entry, int, tuple | None]] = []
+        alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
+        prefills, prefilled = 0.0, False  # seconds of prefills run alone; whether any ran (a chunk included)
+        for (r, entry, room), length in zip(candidates, lengths, strict=True):
+            if not length:
                 continue
-            room, batch, heal, prefill_s = prepared
-            t0 += prefill_s  # a prefill outside the batch counts as drafting, not other_s
+            try:
+                prepared = self._prepare_row(entry, k, min(room, length))
+            except Exception as err:
+                self._fault(err, "preparing a request's draft")
+                self.table.discard(entry)
+                continue
+            batch, heal, prefill_s = prepared
+            prefills += prefill_s
+            prefilled = prefilled or prefill_s > 0
+            if batch is None:  # its draft read a chunk of its text instead
+                continue
             if batch:
-                together.append((r, entry, room, heal))
+                together.append((r, entry, min(room, length), heal))
             else:
-                alone.append((r, entry, room))
+                alone.append((r, entry, min(room, length)))
         if len(together) == 1:  # nothing to batch with
             alone += [item[:3] for item in together]
             together = []
+        t0 += prefills  # a prefill outside the batch counts as drafting, not other_s
+        forwards = 0
         for r, entry, room in alone:
             request = entry.payload
             laps = Laps()
             stats.other_s += laps.start - t0
             try:
-                out[r] = request.propose(self.k, room, laps)
+                out[r] = request.propose(room, room, laps)
             except Exception as err:
                 self._fault(err, "drafting for a request")
                 self.table.discard(entry)
@@ -287,6 +327,7 @@ class TextBridgeProposer:
             stats.draft_s += laps.seconds["draft"]
             stats.bridge_s += laps.seconds["bridge"]
             stats.draft_forwards += request.draft_steps
+            forwards += request.draft_steps
             stats.proposed += len(out[r])
             t0 = time.perf_counter()
         if together:
@@ -295,7 +336,7 @@ class TextBridgeProposer:
             try:
                 requests = [entry.payload for _, entry, _, _ in together]
                 drafted, copy_s, healed = draft_together(
-                    self.draft_model, [request.state for request in requests], self.k, self.chain.draft_eos,
+                    self.draft_model, [request.state for request in requests], k, self.chain.draft_eos,
                     self.window, [request.first_ids for request in requests], [h for *_, h in together])
             except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
                 self._fault(err, "drafting a batch of requests", len(together))
@@ -306,7 +347,7 @@ class TextBridgeProposer:
             if drafted is not None:
                 stats.draft_s += t0 - t1 - copy_s
                 stats.copy_s += copy_s
-                stats.batched_forwards += self.k
+                stats.batched_forwards += k
                 stats.healed += sum(healed)
                 for (r, entry, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
                     try:
@@ -320,36 +361,62 @@ class TextBridgeProposer:
             t1 = time.perf_counter()
             stats.bridge_s += t1 - t0
             t0 = t1
-        stats.other_s += time.perf_counter() - t0
+        for r, entry, _ in candidates:
+            if entry.payload is not None:
+                entry.payload.proposed = out[r]
+        end = time.perf_counter()
+        # what the call cost, for the policy: no prefill in it, and one way of drafting at a time
+        if not prefilled and decode_only and not (together and alone):
+            policy.observe_call(live, len(together) or len(alone), k if together else forwards, end - call_start)
+        stats.other_s += end - t0
         stats.calls += 1
+        if not any(lengths):
+            stats.quiet_calls += 1
+            stats.quiet_s += end - call_start
+        self._last_end = end
+        self._last_step = live, sum(len(ids) for ids in out)
         return out
 
-    def _prepare_row(self, entry: Entry, seen: int, row: np.ndarray) -> tuple | None:
-        """Bring a row's request to its ids (a new request: a new state) -> None (nothing to draft this step) or
-        (room, whether it drafts in the batch, token healing's candidate there, seconds of a prefill it ran)."""
-        stats = self.stats
+    def _advance_row(self, entry: Entry, seen: int, row: np.ndarray) -> int | None:
+        """Bring a row's request to its ids (a new request: a new state) -> None when the request has ended
+        (its last id is the target's EOS), else how many ids it may be proposed (0: none)."""
         if entry.payload is None:
             entry.payload = RequestDraft(self, row.tolist())
-            stats.new_states += 1
+            self.stats.new_states += 1
         elif seen < len(row) or entry.payload.drafted:
-            entry.payload.advance(row[seen:].tolist())  # NOTE: only the new ids leave numpy (rows are long)
+            # NOTE: only the new ids leave numpy (rows are long)
+            entry.payload.advance(row[seen:].tolist(), self.policy)
         if int(row[-1]) in self.pair.target_eos:
             return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
+        return max(0, min(self.k, self.max_model_len - len(row) - 1))
+
+    def _prepare_row(self, entry: Entry, k: int, room: int) -> tuple[bool | None, tuple | None, float]:
+        """Ready a request to draft -> (whether it drafts in the batch of k forwards, or None: not this step, its
+        draft is still reading a long text, one chunk per step; token healing's candidate in the batch; seconds of
+        a prefill it ran)."""
         request = entry.payload
-        room = min(self.k, self.max_model_len - len(row) - 1)
-        stats.rows += 1
         state = request.state
+        ready = request.prepare(k, room)
         prefill_s = 0.0
-        if self.batched and request.prepare(self.k, room) == self.k:
+        if len(state.ids) - state.cached > self.prefill_chunk + 1:
+            # a new request's prompt, or much text committed while it did not draft: one chunk per step, so that
+            # no running request waits on a long prefill
+            t1 = time.perf_counter()
+            prefill_tail(state, self.prefill_chunk)
+            prefill_s = time.perf_counter() - t1
+            self.stats.draft_s += prefill_s
+            self.stats.prefill_chunks += 1
+            return None, None, prefill_s
+        if self.batched and ready == k:
             if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
                 t1 = time.perf_counter()
-                prefill_tail(state)  # a new request's prompt, or all ids cached: on its own, before the batch
+                prefill_tail(state)  # the rest of a prompt, or all ids cached: on its own, before the batch
                 prefill_s = time.perf_counter() - t1
-                stats.draft_s += prefill_s
-            fits = self.window is None or len(state.ids) + LONG_TAIL + self.k < self.window - 1
+                self.stats.draft_s += prefill_s
+            fits = self.window is None or len(state.ids) + LONG_TAIL + k < self.window - 1
             if state.cached >= 1 and fits:
-                return room, True, request.heal_candidate(), prefill_s
-        return room, False, None, prefill_s
+                return True, request.heal_candidate(), prefill_s
+        return False, None, prefill_s
 
     @property
     def states(self) -> int:

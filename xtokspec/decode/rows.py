@@ -1,0 +1,267 @@
+"""Draft lengths for requests served together (xtokspec's vLLM proposer): per request and per step, how many
+tokens to draft, none included, from measured costs and each request's measured acceptance.
+
+A server's step verifies every running request at once. Its time is the target's forward over all scheduled
+positions (each request's next token plus its proposals), after the draft's forwards, batched over the requests
+that draft (one forward per drafted position). With per-token acceptance a_i, K_i proposals commit
+`expected_tokens(a_i, K_i)` tokens on average for request i, and the step commits the sum. The policy chooses
+the K_i that maximise committed tokens per second:
+
+    rate = sum_i expected_tokens(a_i, K_i) / (target_B(sum_i K_i) + k * draft(m))
+
+with B the requests in the step, m the requests that draft, k = max K_i, target_B(p) the measured seconds of a
+step of B requests that verified p proposals, and draft(m) the measured seconds per draft forward over m
+requests (all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests'
+caches). A step's cost is kept per request count because a server's costs per request (scheduling, sampling,
+the output) and per proposal differ: a step of 8 requests is not a step of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
+target position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at
+all, is one of the choices: where extra positions cost more than they return (a large batch, a poor draft),
+nothing is drafted.
+
+The costs are measured per size (recent samples per proposal count, per request count) and interpolated, rather
+than fitted as one line: a server's steps come at a few sizes only (B, and B + K x drafting requests), and a
+line through them forgets its slope as soon as the sizes stop varying. Where a size has not been seen, the
+nearest seen cost stands in (optimism: drafting is tried, then measured). Acceptance is learned per request from
+what vLLM accepted of its last proposal; a new request starts from the rate pooled over the requests before it,
+and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
+tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
+schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 1% of the
+steps between probes; the request that has waited longest); while drafting pays, one step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the
+target's cost without proposals stays measured.
+
+Like the loop's policies (policy.py) it decides from earlier steps only and cannot change the output: vLLM
+verifies whatever is proposed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..types import expected_tokens
+from .policy import DECAY, WARM_CYCLES, Fallback
+
+
+class SizeCosts:
+    """Seconds by size (positions in a step, requests in a forward): the median of each size's recent samples,
+    interpolated linearly between seen sizes; the nearest seen size's cost outside them; 0 before any."""
+
+    SAMPLES = 8
+
+    def __init__(self):
+        self.times: dict[int, collections.deque] = {}
+        self.sizes: list[int] = []
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size not in self.times:
+            self.times[size] = collections.deque(maxlen=self.SAMPLES)
+            bisect.insort(self.sizes, size)
+        self.times[size].append(seconds)
+
+    def __call__(self, size: float) -> float:
+        sizes = self.sizes
+        if not sizes:
+            return 0.0
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:
+            return statistics.median(self.times[size])
+        if i == 0 or i == len(sizes):
+            return statistics.median(self.times[sizes[min(i, len(sizes) - 1)]])
+        lo, hi = sizes[i - 1], sizes[i]
+        t_lo, t_hi = statistics.median(self.times[lo]), statistics.median(self.times[hi])
+        return t_lo + (t_hi - t_lo) * (size - lo) / (hi - lo)
+
+
+@dataclass
+class Acceptance:
+    """One request's acceptance evidence (decayed counts: accepted proposals, rejections)."""
+
+    successes: float = 0.0
+    failures: float = 0.0
+    idle: int = 0  # steps since it last drafted
+
+    def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
+        self.successes = decay * self.successes + accepted
+        self.failures = decay * self.failures + rejected
+        self.idle = 0
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The per-token acceptance: its evidence, with the prior worth `weight` proposals."""
+        return (self.successes + weight * prior) / (self.successes + self.failures + weight)
+
+
+def outcome(proposed: Sequence[int], new: Sequence[int]) -> tuple[int, bool]:
+    """What vLLM did with a proposal, from the ids it committed next (the accepted proposals, then one it
+    sampled) -> (accepted, rejected). A position where vLLM's own token equals the proposal's was not verified
+    (the scheduler cut the proposal: a token budget, the context's end): no rejection, since a rejected position
+    is resampled without the proposed token."""
+    accepted = 0
+    for p, n in zip(proposed, new, strict=False):
+        if p != n:
+            break
+        accepted += 1
+    if accepted >= len(new):  # every committed id matched: the last one was sampled, its position not verified
+        return len(new) - 1, False
+    if accepted == len(proposed):
+        return accepted, False
+    return accepted, True
+
+
+class RowDraftLengths:
+    """Each step: how many tokens each running request drafts (this module's docstring). One per proposer: the
+    costs are the models' and the machine's, the pooled acceptance the pair's on the traffic served."""
+
+    # a server runs for thousands of steps: probes may come more rarely than in one generation, at most 1% of
+    # the steps' time between them
+    PROBE_BUDGET = 0.01
+    POOL_DECAY = 0.98  # per observed proposal: the pooled rate follows the traffic over ~50 proposals
+    PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate) is worth this many proposals
+
+    def __init__(self, cap: int, adaptive: bool = True):
+        self.cap, self.adaptive = cap, adaptive
+        self.target: dict[int, SizeCosts] = {}  # requests in a step -> its seconds by proposals verified
+        self.quiet = SizeCosts()  # seconds of a call that drafted nothing, by requests in it
+        self.draft = SizeCosts()  # seconds per draft forward beyond a quiet call, by requests drafting
+        self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
+        self.steps = 0  # steps whose time was measured
+        self.drafted = 0  # drafting calls whose cost was measured
+        self.since_draft = 0  # steps since the last one that drafted
+        self.since_alone = 0  # drafting steps since the last one that drafted nothing
+        self.alone_run = Fallback.PROBE_DRAFT_FIRST
+        self.probing = False
+        self.probes = 0
+
+    # -------------------------------------------------------------------------------- what was measured
+    def observe_step(self, rows: int, proposals: int, seconds: float) -> None:
+        """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds`."""
+        if rows > 0:
+            self.target.setdefault(rows, SizeCosts()).observe(proposals, seconds)
+            self.steps += 1
+
+    def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float) -> None:
+        """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards, took
+        `seconds` (no prefill in it)."""
+        if not drafting or not forwards:
+            self.quiet.observe(rows, seconds)
+            return
+        self.draft.observe(drafting, max(0.0, seconds - self.quiet(rows)) / forwards)
+        self.drafted += 1
+
+    def step_cost(self, rows: int, proposals: int) -> float:
+        """target_B(p): from the nearest request count measured."""
+        if not self.target:
+            return 0.0
+        return self.target[min(self.target, key=lambda b: (abs(b - rows), -b))](proposals)
+
+    def observe_proposal(self, request: Acceptance, proposed: Sequence[int], new: Sequence[int]) -> None:
+        """A request's last proposal against the ids vLLM committed for it next."""
+        if not proposed or not new:
+            return
+        accepted, rejected = outcome(proposed, new)
+        request.observe(accepted, rejected)
+        self.pool.observe(accepted, rejected, self.POOL_DECAY)
+
+    # -------------------------------------------------------------------------------- the choice
+    def rates(self, requests: Sequence[Acceptance]) -> list[float]:
+        prior = self.pool.rate(0.5, 0.0)
+        return [min(r.rate(prior, self.PRIOR_WEIGHT), 0.999) for r in requests]
+
+    def lengths(self, requests: Sequence[Acceptance], rows: int, batched: bool = True) -> list[int]:
+        """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
+        may not draft included): 0..cap each."""
+        n = len(requests)
+        if not self.adaptive or not n:
+            return [self.cap] * n
+        if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft, and measure
+            return self._drafting([self.cap] * n, requests)
+        rows = max(rows, n)
+        costs = self.target.get(rows) or self.target[min(self.target, key=lambda b: (abs(b - rows), -b))]
+        if costs.sizes[0] > 0 or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
+            return self._alone(n, requests)  # the target's step without proposals is measured too
+        a = self.rates(requests)
+        base = self.step_cost(rows, 0)
+        best, best_rate = [0] * n, rows / max(base, 1e-9)
+        for k in range(1, self.cap + 1):
+            lengths, rate, _ = self._best_at(k, a, rows, base, best_rate, batched)
+            if rate > best_rate:
+                best, best_rate = lengths, rate
+        if any(best):
+            if self.probing:
+                self.probing = False
+                self.alone_run = Fallback.PROBE_DRAFT_FIRST
+            return self._drafting(best, requests)
+        # nothing pays: the target alone, but a probe drafts once every alone_run steps
+        if self.probing:  # the probe was measured and lost
+            self.probing = False
+            self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, batched))
+        if self.since_draft >= self.alone_run:  # a probe: the request that has waited longest drafts, alone
+            self.probing, self.probes = True, self.probes + 1
+            probe = max(range(n), key=lambda i: requests[i].idle)
+            return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests)
+        return self._alone(n, requests)
+
+    def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
+                 batched: bool) -> tuple[list[int], float, float]:
+        """The lengths at most k, each request's chosen at `rate` (tokens per second) -> (lengths, their rate,
+        their seconds); twice, the second time at the rate the first choice gives."""
+        top = self.step_cost(rows, k * len(a))
+        slope = max(0.0, (top - base) / (k * len(a)))
+        for _ in range(2):
+            lengths = [self._length(ai, k, rate, slope) for ai in a]
+            drafting = sum(x > 0 for x in lengths)
+            if not drafting:
+                return lengths, 0.0, base
+            forwards = k if batched else sum(lengths)
+            cost = self.step_cost(rows, sum(lengths)) + forwards * self.draft(drafting if batched else 1)
+            tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
+            rate = tokens / max(cost, 1e-9)
+        return lengths, rate, cost
+
+    @staticmethod
+    def _length(a: float, k: int, rate: float, slope: float) -> int:
+        """The most j <= k whose j-th position is worth its seconds at `rate`: a^j tokens >= rate * slope (an
+        earlier position is worth more)."""
+        if slope <= 0 or rate <= 0:
+            return k
+        j, worth = 0, 1.0
+        while j < k and worth * a >= rate * slope:
+            j, worth = j + 1, worth * a
+        return j
+
+    def _probe_cap(self, a: list[float], rows: int, base: float, batched: bool) -> int:
+        """The longest run of steps without drafting between probes: PROBE_DRAFT_MAX, or more where a probe's
+        predicted extra seconds (its cost minus what the target alone takes for the tokens it commits) exceed
+        PROBE_BUDGET of the steps between probes; at most Fallback.PROBE_DRAFT_CAP."""
+        best = max(range(len(a)), key=a.__getitem__)
+        cost = self.step_cost(rows, self.cap) + self.cap * self.draft(1)
+        tokens = rows - 1 + expected_tokens(a[best], self.cap)
+        extra = cost - base * tokens / rows
+        need = math.ceil(round(extra / (self.PROBE_BUDGET * max(base, 1e-9)), 6))
+        return max(Fallback.PROBE_DRAFT_MAX, min(need, Fallback.PROBE_DRAFT_CAP))
+
+    def _drafting(self, lengths: list[int], requests: Sequence[Acceptance]) -> list[int]:
+        self.since_draft = 0
+        self.since_alone += 1
+        for length, request in zip(lengths, requests, strict=True):
+            self._age(request, length)
+        return lengths
+
+    def _alone(self, n: int, requests: Sequence[Acceptance]) -> list[int]:
+        self.since_draft += 1
+        self.since_alone = 0
+        for request in requests:
+            self._age(request, 0)
+        return [0] * n
+
+    @staticmethod
+    def _age(request: Acceptance, length: int) -> None:
+        """A request that does not draft forgets its own evidence by DECAY a step: it drifts back to the pooled
+        rate and is tried again when that pays."""
+        if length == 0:
+            request.successes *= DECAY
+            request.failures *= DECAY
+            request.idle += 1
