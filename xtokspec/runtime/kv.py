@@ -296,3 +296,13 @@ def select_rows(cache: DynamicCache, rows: list[int]) -> None:
 def context_limit(model) -> int | None:
     """The model's context in positions (`max_position_embeddings`), or None where its config gives none."""
     return getattr(model.config, "max_position_embeddings", None)
+
+
+def position_bytes(model) -> int:
+    """Bytes a KV cache spends per position of `model` (keys and values of every layer, in its dtype); an upper
+    bound for models whose sliding-window layers keep only their window."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize

@@ -53,7 +53,7 @@ import torch
 
 from ..decode import assemble
 from ..decode.propose import ChainProposer
-from ..runtime.kv import context_limit, sliding_layers
+from ..runtime.kv import context_limit, position_bytes, sliding_layers
 from ..runtime.models import eos_ids, load
 from ..text.chat import DraftView
 from ..text.codec import TokenCodec
@@ -72,6 +72,7 @@ GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorde
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
+MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
 CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
 ADAPTIVE_KEY = "xtokspec_adaptive"  # False: every request drafts num_speculative_tokens every step (default: chosen)
@@ -90,6 +91,7 @@ class ProposerStats:
     batched_forwards: int = 0  # forwards over several requests at once (draft_together)
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
     new_states: int = 0  # requests whose draft prefilled from scratch
+    evicted: int = 0  # requests whose draft state went to keep the draft caches within their bound
     prefill_chunks: int = 0  # steps in which a request's draft read a chunk of a long text instead of drafting
     healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
     quiet_calls: int = 0  # calls in which no row drafted
@@ -203,6 +205,14 @@ class TextBridgeProposer:
         self.prefill_chunk = extra.get(CHUNK_KEY, 64)
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
             raise XTokSpecError(f"{CHUNK_KEY}: a positive number of ids, got {self.prefill_chunk!r}")
+        # the draft caches' memory: a bound, counted from the positions each request's cache holds (a static cache:
+        # all it allocated); past it the longest-idle, then the largest, requests lose their draft state (rebuilt,
+        # one chunk per step, when they draft again)
+        mib = extra.get(MEMORY_KEY, 1024)
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or mib <= 0:
+            raise XTokSpecError(f"{MEMORY_KEY}: a positive number of MiB, got {mib!r}")
+        self.memory_bound = int(mib * 2**20)
+        self.position_bytes = position_bytes(self.draft_model)
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
         TextBridgeProposer.instances.add(self)
@@ -211,6 +221,8 @@ class TextBridgeProposer:
                  "draft forwards batched across requests" if self.batched
                  else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
                  else "one draft forward per request")
+        log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", mib,
+                 MEMORY_KEY, self.position_bytes)
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
@@ -373,7 +385,8 @@ class TextBridgeProposer:
         if not any(lengths):
             stats.quiet_calls += 1
             stats.quiet_s += end - call_start
-        self._last_end = end
+        self._bound_memory()
+        self._last_end = time.perf_counter()
         self._last_step = live, sum(len(ids) for ids in out)
         return out
 
@@ -417,6 +430,35 @@ class TextBridgeProposer:
             if state.cached >= 1 and fits:
                 return True, request.heal_candidate(), prefill_s
         return False, None, prefill_s
+
+    def state_bytes(self, request: RequestDraft) -> int:
+        """The memory of a request's draft cache, counted as the bound counts it."""
+        state = request.state
+        positions = state.kv.capacity if state.backend == "static" else len(state.ids)
+        return positions * self.position_bytes
+
+    def cache_bytes(self) -> int:
+        """The draft caches' memory now (every kept request's, and idle static caches kept for new requests, as
+        the bound counts them)."""
+        idle = sum(kv.capacity for kv in self.kept.idle_kv.get(id(self.draft_model), ())) * self.position_bytes
+        return idle + sum(self.state_bytes(e.payload) for e in self.table.entries if e.payload is not None)
+
+    def _bound_memory(self) -> None:
+        """Keep `cache_bytes()` within the bound: idle static caches go first, then requests' states, the longest
+        idle first, then the largest (a dropped static cache is not kept for reuse then)."""
+        if self.cache_bytes() <= self.memory_bound:
+            return
+        idle = self.kept.idle_kv.get(id(self.draft_model), [])
+        idle.clear()
+        kept = [e for e in self.table.entries if e.payload is not None]
+        total = sum(self.state_bytes(e.payload) for e in kept)
+        for entry in sorted(kept, key=lambda e: (-e.idle, -self.state_bytes(e.payload))):
+            if total <= self.memory_bound:
+                break
+            total -= self.state_bytes(entry.payload)
+            self.table.discard(entry)
+            self.stats.evicted += 1
+        idle.clear()
 
     @property
     def states(self) -> int:

@@ -1,9 +1,13 @@
-"""The vLLM proposer choosing each request's draft length (decode/rows.py) through the simulated engine of
-tests/test_vllm.py: the output stays the target's whatever it chooses, a request that drafts nothing costs no
-draft forward, and one that drafts again catches up on the text committed meanwhile."""
+"""The vLLM proposer as a server uses it, through the simulated engine of tests/test_vllm.py (no vLLM needed):
+each request's draft length chosen per step (decode/rows.py) leaves the output the target's, a request that
+drafts nothing costs no draft forward and catches up when it drafts again, a long prompt is read in chunks, and
+the draft caches stay within their memory bound over a thousand requests."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -132,3 +136,52 @@ def test_a_long_prompt_is_read_in_chunks_while_the_others_draft(ja_target, heldo
         assert out[n] == greedy(model, prompt, 16), n
     assert proposer.stats.prefill_chunks >= 300 * 1.0 / 32 - 1  # the draft's prompt is at least as long in ids
     assert max(widths) <= 32 + 16, max(widths)  # a chunk, or the rest of a prompt, or a short tail
+
+
+@pytest.mark.slow
+def test_the_draft_caches_stay_within_their_bound_over_a_thousand_requests(heldout_prompts):
+    """1,000 requests of 4 to 200 prompt ids, 8 running at a time, each living 1 to 12 steps and a fifth of them
+    aborted (gone without finishing), straight through `propose` (rows as vLLM lays them out, each step committing
+    part of the last proposal and one more id from the text). With a 2 MiB bound (1,024 positions of the fixture
+    draft: less than 8 requests of up to 200 ids and their drafts need), the memory the bound counts stays within
+    it after every call, it is never less than what the cache tensors hold, and the states kept stay bounded."""
+    from xtokspec.runtime.kv import position_bytes
+
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe",
+                                                   extra={"xtokspec_draft_cache_mib": 2}))
+    text = proposer.target_tokenizer("".join(heldout_prompts * 3))["input_ids"]
+    rng = random.Random(0)
+    started, running, peak, calls = 0, [], 0, 0
+    while started < 1000 or running:
+        while len(running) < 8 and started < 1000:
+            at, length = rng.randrange(0, len(text) - 400), rng.randint(4, 200)
+            running.append({"ids": text[at : at + length], "at": at + length, "steps": rng.randint(1, 12),
+                            "abort": rng.random() < 0.2, "proposal": [], "new": text[at + length - 1 : at + length]})
+            started += 1
+        rows = np.zeros((len(running), 512), dtype=np.int64)
+        for r, request in enumerate(running):
+            rows[r, : len(request["ids"])] = request["ids"]
+        out = proposer.propose([r["new"] for r in running], np.array([len(r["ids"]) for r in running]), rows)
+        calls += 1
+        counted = proposer.cache_bytes()
+        held = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in
+                       e.payload.state.kv.layer_tensors()) for e in proposer.table.entries if e.payload is not None)
+        assert held <= counted <= proposer.memory_bound, (held, counted)
+        peak = max(peak, counted)
+        survivors = []
+        for request, proposal in zip(running, out, strict=True):
+            request["steps"] -= 1
+            if request["steps"] <= 0 or (request["abort"] and rng.random() < 0.3):
+                continue
+            accepted = rng.randint(0, len(proposal))
+            new = text[request["at"] : request["at"] + accepted + 1]  # what the "target" commits
+            request["at"] += len(new)
+            request["ids"] = request["ids"] + new
+            request["new"] = new
+            survivors.append(request)
+        running = survivors
+    assert proposer.states <= proposer.table.max_states
+    assert proposer.stats.evicted > 0 and proposer.stats.faults == 0
+    print(f"{calls} calls, {proposer.stats.new_states} states built, {proposer.stats.evicted} evicted, peak "
+          f"{peak / 2**20:.2f} MiB of {proposer.memory_bound / 2**20:.2f} ({position_bytes(proposer.draft_model)} bytes "
+          "per position)")
