@@ -21,6 +21,8 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 
 `xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
+`xtokspec_trim`, `xtokspec_gemma_trim`: the draft's head trimmed to 32,768 ids chosen from
+fixtures/data/heldout.txt (`xtokspec_draft_vocab_text`), without the prompts this run times or warms up on.
 
 Rounds: each system's engine is built `--rounds` times, in alternating order (ABBA: round 2 builds them in
 reverse), so that a drift of the machine falls on every system alike. In each build: the process's first forwards
@@ -46,6 +48,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -69,11 +72,13 @@ def preset(name: str, k: int) -> dict:
     """The preset's target, dtype, prompt file and systems (name -> the LLM keywords beside the target's)."""
     draft = {"method": "draft_model", "num_speculative_tokens": k}
 
-    def bridged(model: str, batched: bool = True, healing: bool = True, adaptive: bool = True) -> dict:
+    def bridged(model: str, batched: bool = True, healing: bool = True, adaptive: bool = True,
+                calibration: str | None = None) -> dict:
+        trim = {"xtokspec_draft_vocab_text": str(ROOT / "fixtures" / "data" / calibration)} if calibration else {}
         return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
                                        "num_speculative_tokens": k},
                 "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched,
-                                      "xtokspec_draft_healing": healing, "xtokspec_adaptive": adaptive}}
+                                      "xtokspec_draft_healing": healing, "xtokspec_adaptive": adaptive, **trim}}
 
     if name == "fixtures":
         return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
@@ -83,6 +88,7 @@ def preset(name: str, k: int) -> dict:
                                            "use_heterogeneous_vocab": True}},
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
             "xtokspec_fixed": bridged(str(MODELS / "ja-draft-bpe"), adaptive=False),
+            "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
         }}
@@ -93,6 +99,7 @@ def preset(name: str, k: int) -> dict:
         "xtokspec_smollm2": bridged(real("smollm2-135m")),
         "xtokspec_gemma": bridged(real("gemma-3-270m")),
         "xtokspec_gemma_fixed": bridged(real("gemma-3-270m"), adaptive=False),
+        "xtokspec_gemma_trim": bridged(real("gemma-3-270m"), calibration="heldout.txt"),
         "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
         "xtokspec_gemma_unbatched": bridged(real("gemma-3-270m"), batched=False),
         "xtokspec_gemma_unhealed": bridged(real("gemma-3-270m"), healing=False),
@@ -318,6 +325,18 @@ def check_alone(model: str, dtype: str, new_tokens: int) -> None:
     sanity(model, dtype, prompts, outputs)
 
 
+def held_out(chosen: dict, prompts: set[str], folder: Path) -> None:
+    """Point trimmed heads' calibration files at copies without the run's prompts (the calibration is held out)."""
+    for extra in chosen["systems"].values():
+        config = extra.get("additional_config", {})
+        if "xtokspec_draft_vocab_text" in config:
+            source = Path(config["xtokspec_draft_vocab_text"])
+            kept = [line for line in source.read_text(encoding="utf-8").splitlines() if line not in prompts]
+            copy = folder / source.name
+            copy.write_text("\n".join(kept), encoding="utf-8")
+            config["xtokspec_draft_vocab_text"] = str(copy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
@@ -364,6 +383,7 @@ def main() -> None:
               f"{args.rounds} rounds of engine builds in alternating order (ABBA), cold start: {len(warm)} other "
               "prompts in one batch on a fresh engine")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
+    held_out(chosen, set(both), Path(tempfile.mkdtemp()))
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for n in range(args.rounds):
         for name in names if n % 2 == 0 else names[::-1]:

@@ -13,6 +13,7 @@ import torch
 
 from test_vllm import MODELS, Engine, fake_vllm_config
 from xtokspec.decode.rows import RowDraftLengths
+from xtokspec.vllm.drafts import RequestDraft
 from xtokspec.vllm.proposer import TextBridgeProposer
 
 
@@ -185,3 +186,38 @@ def test_the_draft_caches_stay_within_their_bound_over_a_thousand_requests(heldo
     print(f"{calls} calls, {proposer.stats.new_states} states built, {proposer.stats.evicted} evicted, peak "
           f"{peak / 2**20:.2f} MiB of {proposer.memory_bound / 2**20:.2f} ({position_bytes(proposer.draft_model)} bytes "
           "per position)")
+
+
+@pytest.mark.slow
+def test_a_trimmed_draft_head_drafts_from_its_kept_ids_and_leaves_the_output_the_targets(ja_target, heldout_prompts,
+                                                                                        tmp_path):
+    """`xtokspec_draft_vocab_text`: the draft's head keeps the 512 ids most frequent in the calibration file (plus
+    EOS and single bytes); every id it drafts is a kept one, and the output is the target's."""
+    from xtokspec.types import XTokSpecError
+
+    model, tokenizer = ja_target
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("\n".join(heldout_prompts[8:]), encoding="utf-8")
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={
+        "xtokspec_draft_vocab_text": str(calibration), "xtokspec_draft_vocab": 512}))
+    keep = set(proposer.draft_vocab.keep.tolist())
+    assert 512 <= len(keep) < proposer.draft_vocab.vocab_size
+    drafted = []
+    real_finish = RequestDraft.finish
+
+    def finish(self, ids, room, healed=False):
+        drafted.extend(ids)
+        return real_finish(self, ids, room, healed)
+
+    RequestDraft.finish = finish
+    try:
+        prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:4]]
+        out = Engine(model, proposer, prompts, 24).run()
+    finally:
+        RequestDraft.finish = real_finish
+    for n, prompt in enumerate(prompts):
+        assert out[n] == greedy(model, prompt, 24), n
+    assert drafted and set(drafted) <= keep
+    with pytest.raises(XTokSpecError, match="xtokspec_draft_vocab_text"):
+        TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={
+            "xtokspec_draft_vocab_text": str(tmp_path / "missing.txt")}))

@@ -54,7 +54,7 @@ import torch
 from ..decode import assemble
 from ..decode.propose import ChainProposer
 from ..runtime.kv import context_limit, position_bytes, sliding_layers
-from ..runtime.models import eos_ids, load
+from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
 from ..text.chat import DraftView
 from ..text.codec import TokenCodec
 from ..types import Laps, XTokSpecError
@@ -72,6 +72,9 @@ GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorde
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
+# a trimmed draft head (XTokSpec.trim_draft_vocab): the calibration text file its ids are chosen from, one text a
+# line, and how many ids it keeps (default 32768); no file: the full head
+TRIM_TEXT_KEY, TRIM_SIZE_KEY = "xtokspec_draft_vocab_text", "xtokspec_draft_vocab"
 MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
 CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
@@ -152,6 +155,9 @@ class TextBridgeProposer:
             TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer"),
             target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
         self.kept = assemble.Kept()  # the draft's captured step and dropped requests' static caches
+        self.draft_vocab = None
+        if extra.get(TRIM_TEXT_KEY):
+            self.draft_vocab = self._trim(extra[TRIM_TEXT_KEY], extra.get(TRIM_SIZE_KEY, 32768))
         self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
@@ -223,6 +229,20 @@ class TextBridgeProposer:
                  else "one draft forward per request")
         log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", mib,
                  MEMORY_KEY, self.position_bytes)
+
+    def _trim(self, path, size) -> object:
+        """The draft's output head trimmed to the `size` ids most frequent in the calibration file's lines."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts = [line for line in f.read().splitlines() if line.strip()]
+        except OSError as err:
+            raise XTokSpecError(f"{TRIM_TEXT_KEY}: cannot read the calibration text {path!r} ({err})") from err
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise XTokSpecError(f"{TRIM_SIZE_KEY}: a positive number of ids, got {size!r}")
+        vocab = choose_draft_vocab(self.pair.draft, texts, size, self.pair.draft_eos)
+        self.draft_model = trimmed_draft(self.draft_model, vocab.keep)
+        log.info("xtokspec proposer: %s", vocab.describe())
+        return vocab
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
