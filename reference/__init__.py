@@ -28,6 +28,7 @@ from reference.exact import (
     speculative_generate,
     truncate_at_eos,
 )
+from reference.keyed import keyed_noise, keyed_sample, keyed_uniforms, keyed_verify
 from reference.processing import greedy, process_logits
 from reference.rejection import (
     UNMAPPED,
@@ -39,6 +40,10 @@ from reference.rejection import (
 )
 
 __all__ = [
+    "keyed_noise",
+    "keyed_sample",
+    "keyed_uniforms",
+    "keyed_verify",
     "FALSE_FAILURE_BUDGET",
     "UNMAPPED",
     "BlockResult",

@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from test_vllm import MODELS, Engine, fake_vllm_config
+
 from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.vllm.drafts import RequestDraft
 from xtokspec.vllm.proposer import TextBridgeProposer

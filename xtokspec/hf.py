@@ -26,7 +26,7 @@ from . import options
 from .types import GenerationStats, XTokSpecError
 
 # generate() keywords that go to xtokspec rather than to the model (XTokSpec.generate's own options)
-OPTIONS = ("seed", "proposal", "num_draft_tokens", "adaptive", "tree_width")
+OPTIONS = ("seed", "keyed", "proposal", "num_draft_tokens", "adaptive", "tree_width")
 _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -64,7 +64,8 @@ def install(model, fn) -> None:
 
 def hf_generate(spec, model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                 synced_gpus: bool = False, streamer=None, tokenizer=None, assistant_model=None,
-                assistant_tokenizer=None, seed: int | None = None, proposal=None, num_draft_tokens=None,
+                assistant_tokenizer=None, seed: int | None = None, keyed: bool = False, proposal=None,
+                num_draft_tokens=None,
                 adaptive=None, tree_width=None, **model_kwargs):
     """The decoding loop `generate` calls (see the module docstring) -> sequences, as `generate` returns them."""
     if model is not spec.target_model:
@@ -98,7 +99,7 @@ def hf_generate(spec, model, input_ids: torch.Tensor, logits_processor, stopping
     if max_new_tokens <= 0:
         raise XTokSpecError(f"max_length {generation_config.max_length} leaves no room after the "
                             f"{len(prompt_ids)}-token prompt")
-    params = options.sampling_params(generation_config, seed=seed, unset=options.PREPARED_DEFAULTS)
+    params = options.sampling_params(generation_config, seed=seed, keyed=keyed, unset=options.PREPARED_DEFAULTS)
     draft_ids = spec.draft_prompt_ids(prompt_ids)
     stats = GenerationStats()
     sequence = input_ids

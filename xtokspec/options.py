@@ -51,7 +51,7 @@ def check_neutral(generation_config) -> None:
 
 
 def sampling_params(generation_config, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None, *,
-                    unset: dict = SAMPLING_DEFAULTS, stacklevel: int = 2) -> SamplingParams:
+                    keyed: bool = False, unset: dict = SAMPLING_DEFAULTS, stacklevel: int = 2) -> SamplingParams:
     """Sampling parameters as `generate` would resolve them: each given value, else the generation config's,
     else `unset`'s. Values given for sampling while decoding greedily are ignored with a warning, as `generate`
     does (`stacklevel`: the user's frame, for the warning)."""
@@ -65,7 +65,7 @@ def sampling_params(generation_config, do_sample=None, temperature=None, top_k=N
     do_sample = bool(generation_config.do_sample) if do_sample is None else do_sample
     params = SamplingParams(
         do_sample=do_sample, temperature=pick("temperature", temperature), top_k=pick("top_k", top_k),
-        top_p=pick("top_p", top_p), seed=seed,
+        top_p=pick("top_p", top_p), seed=seed, keyed=keyed,
     )
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     ignored = {k: v for k, v in given.items() if v is not None and not (k == "temperature" and v == 0)}
@@ -108,6 +108,11 @@ def proposal_kind(same_vocab: bool, params: SamplingParams, proposal: str, tree_
                 f"token trees (tree_width={tree_width}) choose their own proposals (SpecConfig.tree_root); "
                 "proposal='intersection' needs tree_width=1 (or use proposal='auto' / 'onehot')"
             )
+        return ProposalKind.ONEHOT
+    if params.keyed and asked is ProposalKind.AUTO:
+        # the keyed sampler accepts a proposal iff it is the target's keyed sample: a one-hot proposal of the
+        # draft's likeliest token is accepted with p(x), as under the usual rule, while an intersection proposal
+        # drawn apart from the target's noise loses what the rejection rule gave it (sum min(p, q))
         return ProposalKind.ONEHOT
     return asked
 

@@ -17,6 +17,7 @@ import torch
 
 from . import options
 from .decode import assemble, loop
+from .decode.policy import TargetAlone
 from .runtime.kv import context_limit, input_device, sliding_layers, takes_tree_masks
 from .runtime.models import (
     DraftVocab,
@@ -120,6 +121,10 @@ class XTokSpec:
         adaptive=False here): a fixed K and no fallback. With adaptive K and the fallback to the target alone
         (the default), K and which cycles run the target alone follow measured timings and this XTokSpec's
         earlier generations, so the same seed can give another sample (from the same distribution).
+        `keyed=True` (with do_sample=True): each output position's token is a fixed function of the seed, the
+        position and the target's distribution there (decode/keyed.py), so the same seed gives the same text
+        whatever the draft, K, trees, fallback or healing: the text of `generate(..., alone=True)`, the target
+        alone, with that seed.
         """
         stats = GenerationStats()
         token_ids: list[int] = []
@@ -183,18 +188,20 @@ class XTokSpec:
         with no_length_warning(self.draft_tokenizer):
             return self.draft.encode_prompt(text)
 
-    def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None) -> SamplingParams:
+    def sampling_params(self, do_sample=None, temperature=None, top_k=None, top_p=None, seed=None,
+                        keyed=False) -> SamplingParams:
         """Sampling parameters as the target's `generate` would resolve them from its generation_config."""
         options.check_neutral(self.target_model.generation_config)
         # NOTE: the warning about ignored values names the user's call: user code -> generate -> _cycles -> here
         return options.sampling_params(self.target_model.generation_config, do_sample, temperature, top_k, top_p,
-                                       seed, stacklevel=4)
+                                       seed, keyed=keyed, stacklevel=4)
 
     def cycles(self, target_ids: list[int], draft_ids: list[int], max_new_tokens: int, stats: GenerationStats,
                params: SamplingParams, *, proposal=None, num_draft_tokens=None, adaptive=None,
-               tree_width=None) -> Iterator[list[int]]:
+               tree_width=None, alone: bool = False) -> Iterator[list[int]]:
         """The loop over prepared prompt ids (the target's and the draft's): each cycle's committed target ids.
-        `generate`, `stream` and the transformers entry point (xtokspec/hf.py) run on it."""
+        `generate`, `stream` and the transformers entry point (xtokspec/hf.py) run on it. `alone=True`: every cycle
+        runs the target alone (no draft), the reference a keyed sample is compared with."""
         config = options.call_config(self.config, num_draft_tokens, adaptive, tree_width)
         check_trees(self.target_model, config)
         kind = options.proposal_kind(self.same_vocab, params, proposal or config.proposal, config.tree_width)
@@ -207,7 +214,8 @@ class XTokSpec:
                                             max_new_tokens, config)
             before = kept.capture_seconds
             run = assemble.generation(self.pair, kept, target, draft, stats, params, config, kind,
-                                      fallback_policy=self.fallback_policy, sampler_ops=self.sampler_ops,
+                                      fallback_policy=(lambda config: TargetAlone()) if alone else self.fallback_policy,
+                                      sampler_ops=self.sampler_ops,
                                       clock=self.clock)
             steps = loop.cycles(run, max_new_tokens)
         try:
@@ -230,7 +238,7 @@ class XTokSpec:
         return self.target_tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _cycles(self, prompt, max_new_tokens, stats, *, messages=None, do_sample=None, temperature=None, top_k=None,
-                top_p=None, seed=None, **kwargs) -> Iterator[list[int]]:
+                top_p=None, seed=None, keyed=False, **kwargs) -> Iterator[list[int]]:
         unknown = sorted(set(kwargs) - set(options.keyword_only(self.cycles)))
         if unknown:  # NOTE: the keywords named are the ones these signatures take, so they cannot drift apart
             known = (options.keyword_params(self.generate, skip=("prompt",)) + options.keyword_only(self._cycles)
@@ -243,7 +251,7 @@ class XTokSpec:
             target_ids, draft_ids = prompt_ids(self, prompt, max_new_tokens, draft_prompt, special=False)
         else:
             target_ids, draft_ids = prompt_ids(self, prompt, max_new_tokens)  # NOTE: the prompt's errors first
-        params = self.sampling_params(do_sample, temperature, top_k, top_p, seed)
+        params = self.sampling_params(do_sample, temperature, top_k, top_p, seed, keyed)
         yield from self.cycles(target_ids, draft_ids, max_new_tokens, stats, params, **kwargs)
 
 

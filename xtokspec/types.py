@@ -50,6 +50,9 @@ class SamplingParams:
     top_k: int = 0  # keep tokens whose logit >= the k-th largest (ties kept); 0 = off
     top_p: float = 1.0  # nucleus: smallest set with cumulative prob >= top_p; 1.0 = off
     seed: int | None = None  # seeds this call's generators; None draws from torch's global RNG
+    # sampling keyed by (seed, output position): the same seed gives the same text whatever the draft, K, trees or
+    # fallback (decode/keyed.py); False: the random streams of the proven rejection rules
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: checked whether or not we sample: an invalid value is a mistake either way. Greedy decoding
@@ -71,6 +74,11 @@ class SamplingParams:
             raise XTokSpecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise XTokSpecError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if not isinstance(self.keyed, bool):
+            raise XTokSpecError(f"keyed must be True or False, got {self.keyed!r}")
+        if self.keyed and not self.do_sample:
+            raise XTokSpecError("keyed=True is a way of sampling: pass do_sample=True with it (greedy decoding is "
+                                "the same text whatever the draft already)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise XTokSpecError(f"seed must be an integer or None, got {self.seed!r}")
 

@@ -184,7 +184,7 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     if params.do_sample:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         sampler = Sampler(warpers, torch.Generator(device=input_device(target_model)).manual_seed(seed),
-                          sampler_ops or SamplerOps())
+                          sampler_ops or SamplerOps(), key=seed if params.keyed else None, start=len(target.ids))
         draft_gen = torch.Generator(device=input_device(draft_model)).manual_seed(seed + 1)
     drafting, draft_length = kept.policies(config, params, kind)
     fallback = (fallback_policy(config) if fallback_policy is not None

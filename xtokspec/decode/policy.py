@@ -287,6 +287,16 @@ class Fallback:
         return max(self.PROBE_DRAFT_MAX, min(need, self.PROBE_DRAFT_CAP))
 
 
+class TargetAlone:
+    """A fallback policy that runs the target alone at every cycle (XTokSpec.generate(..., alone=True))."""
+
+    def observe(self, cycle: CycleRecord) -> None:
+        """Nothing to learn."""
+
+    def run_alone(self) -> bool:
+        return True
+
+
 class ProposalChooser:
     """proposal="auto" for sampled chains across tokenizers: which proposal kind the next cycle uses.
 

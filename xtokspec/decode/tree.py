@@ -193,6 +193,19 @@ def walk_sampled(trie: Trie, p_children: list[list[float]], uniforms: list[list[
         node = accepted
 
 
+def walk_keyed(trie: Trie, samples: list[int]) -> tuple[list[int], int]:
+    """The keyed sampler's walk (decode/keyed.py): from the root, to the child whose token is the node's keyed
+    sample (`samples[n]`, node n's), until no child is -> (accepted path, the token emitted: the last node's
+    sample)."""
+    node, path = 0, []
+    while True:
+        child = next((c for c in trie.children[node] if trie.tokens[c] == samples[node]), None)
+        if child is None:
+            return path, samples[node]
+        path.append(child)
+        node = child
+
+
 def residual(probs_row: torch.Tensor, excluded: list[int]) -> torch.Tensor:
     """(V,) target distribution at the stopping node with every rejected child removed (unnormalised)."""
     if not excluded:

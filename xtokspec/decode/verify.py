@@ -4,7 +4,9 @@ trie's nodes, tree-masked), then the accepted proposals and the next token (reco
 Greedy: a proposal is accepted while it is the target's argmax (`sampling.verify_greedy`, `tree.verify_tree_greedy`).
 Sampling: the recursive rejection of Leviathan et al. 2023 / Chen et al. 2023 (`sampling.count_accepted`,
 `sampling.next_token_distribution`; a trie: `tree.verify_tree_sampled`), on the target's own generator: the
-uniforms first, then the exponential noise of the next token's race.
+uniforms first, then the exponential noise of the next token's race. Keyed (`Sampler.key`, SamplingParams.keyed):
+each position's keyed sample (decode/keyed.py) is computed, a proposal is accepted iff it equals it, and the first
+one not proposed is emitted; a trie is walked along the keyed samples.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from ..runtime.cache import ModelState
 from ..runtime.kv import to_device
-from . import sampling, tree
+from . import keyed, sampling, tree
 from .propose import Proposal
 
 
@@ -28,6 +30,7 @@ class SamplerOps:
     count_accepted: Callable = sampling.count_accepted  # a chain's accepted proposals
     next_token_distribution: Callable = sampling.next_token_distribution  # a chain's residual or bonus row
     walk: Callable = tree.walk_sampled  # a trie's walk down its accepted path
+    keyed_samples: Callable = keyed.samples  # the keyed sampler's (probs, seed, positions) -> ids
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Sampler:
     warpers: object
     generator: torch.Generator
     ops: SamplerOps = field(default_factory=SamplerOps)
+    key: int | None = None  # the keyed sampler's seed (None: the generator's draws)
+    start: int = 0  # the target's ids before the first output position (the prompt's)
 
 
 @dataclass
@@ -63,8 +68,14 @@ def verify_chain(target: ModelState, proposals: list[int], proposal_probs: torch
     if sampler is None:
         accepted, next_token = sampling.verify_greedy(logits, proposals)
         return Verdict(accepted, next_token, accepted < len(proposals))
-    proposal_ids = to_device(proposals, logits.device)  # (K,)
     target_probs = sampling.logits_to_probs(logits, sampler.warpers)  # (K+1, Vt)
+    if sampler.key is not None:
+        first = len(target.ids) - len(proposals) - sampler.start
+        positions = torch.arange(first, first + len(proposals) + 1)
+        accepted, next_token = keyed.verify_chain(
+            sampler.ops.keyed_samples(target_probs, sampler.key, positions).tolist(), proposals)
+        return Verdict(accepted, next_token, accepted < len(proposals), target_probs=target_probs)
+    proposal_ids = to_device(proposals, logits.device)  # (K,)
     gen = sampler.generator
     uniforms = torch.rand(len(proposals), generator=gen, device=gen.device).to(logits.device)
     accepted = sampler.ops.count_accepted(target_probs, proposal_ids, uniforms, proposal_probs)
@@ -79,6 +90,10 @@ def verify_tree(target: ModelState, trie: tree.Trie, sampler: Sampler | None, ro
     logits = target.forward_tree(trie.tokens, trie.parents)  # (N+1, Vt)
     if sampler is None:
         path, next_token = tree.verify_tree_greedy(logits, trie)
+    elif sampler.key is not None:
+        probs = sampling.logits_to_probs(logits, sampler.warpers)  # (N+1, Vt)
+        positions = torch.tensor(trie.depths) + (len(target.ids) - sampler.start)
+        path, next_token = tree.walk_keyed(trie, sampler.ops.keyed_samples(probs, sampler.key, positions).tolist())
     else:
         probs = sampling.logits_to_probs(logits, sampler.warpers)  # (N+1, Vt)
         gen = sampler.generator

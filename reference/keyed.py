@@ -1,0 +1,79 @@
+"""The keyed sampler in NumPy: noise that is a fixed function of (seed, output position, token id), the target's
+keyed sample, and verification by matching it (xtokspec/decode/keyed.py and verify.py are tested against this).
+
+The hash: MurmurHash3's 32-bit finaliser over (seed folded to 32 bits, position, token id); the top 24 bits plus
+one half, over 2^24, give U strictly inside (0, 1); E = -log U ~ Exp(1). NumPy's uint64 arithmetic here and the
+torch int64 arithmetic there compute the same bits.
+
+Proof sketch.
+1. The keyed sample is a sample. For one position, the E(v) are (up to the hash's quality) independent Exp(1);
+   the exponential race argmax_v p(v) / E(v) picks v with probability p(v) (E(v) / p(v) ~ Exp(p(v)) and the
+   minimum of independent exponentials is the v with probability p(v) / sum p = p(v)). Different positions use
+   different noise, so a whole sequence sampled position by position, each position's distribution conditioned
+   on the tokens before it, follows the target's sequence law.
+2. Verification emits the keyed samples. A cycle at output position t verifies proposals x_1..x_K against the
+   target's distributions p_1..p_{K+1}, where p_i is conditioned on the committed prefix and x_1..x_{i-1}. With
+   y_i the keyed sample of p_i at position t + i - 1, x_i is accepted iff x_i = y_i, and the first y_i whose x_i
+   differs (or y_{K+1} after K acceptances) is emitted. By induction on i, each accepted x_i is y_i, so p_{i+1} is
+   the distribution the target alone would have at position t + i after the same tokens, and its keyed sample is
+   the target alone's. Every emitted token is therefore the token the target alone samples with that seed: the
+   text does not depend on the proposals (Daliri, Musco and Suresh 2024, "Coupling without communication and
+   drafter-invariant speculative decoding").
+3. Acceptance. For a proposal x chosen without looking at the noise of its position (a draft's argmax, or a
+   draw from the draft's own generator), P(x = y) = p(x): the one-hot rule's acceptance. A trie is walked along
+   the keyed samples: from a node, to the child whose token is that node's sample, so a level's children are
+   accepted with the sum of their p, as in the one-hot trie walk.
+4. What is not kept: a proposal drawn from a distribution q apart from the noise is accepted with sum_v q(v)
+   p(v), not the rejection rule's sum_v min(p(v), q(v)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MASK = np.uint64(0xFFFFFFFF)
+SEED_SALT, POSITION_MUL, TOKEN_MUL, TOKEN_SALT = 0x9E3779B9, 0x27D4EB2F, 0x165667B1, 0x7F4A7C15
+
+
+def _mul(x: np.ndarray, c: int) -> np.ndarray:
+    return (x * np.uint64(c)) & MASK  # NOTE: uint64 products wrap mod 2^64, which keeps the low 32 bits right
+
+
+def _fmix(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(16))
+    h = _mul(h, 0x85EBCA6B)
+    h = h ^ (h >> np.uint64(13))
+    h = _mul(h, 0xC2B2AE35)
+    return h ^ (h >> np.uint64(16))
+
+
+def keyed_uniforms(seed: int, positions, vocab: int) -> np.ndarray:
+    """(N,) output positions -> (N, vocab) float64 U(0, 1) keyed by (seed, position, token id)."""
+    seed &= (1 << 64) - 1
+    folded = np.uint64((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        base = _fmix(np.asarray(folded ^ np.uint64(SEED_SALT), dtype=np.uint64))
+        rows = _fmix(base ^ _mul(np.asarray(positions, dtype=np.uint64) & MASK, POSITION_MUL))
+        ids = _mul(np.arange(vocab, dtype=np.uint64), TOKEN_MUL)
+        h = _fmix(_fmix(rows[:, None] ^ ids[None, :]) ^ np.uint64(TOKEN_SALT))
+    return ((h >> np.uint64(8)).astype(np.float64) + 0.5) / float(1 << 24)
+
+
+def keyed_noise(seed: int, positions, vocab: int) -> np.ndarray:
+    """(N, vocab) Exp(1) noise, -log U: strictly positive and finite."""
+    return -np.log(keyed_uniforms(seed, positions, vocab))
+
+
+def keyed_sample(p: np.ndarray, seed: int, position: int) -> int:
+    """The keyed sample of one distribution (V,) at one output position."""
+    return int(np.argmax(p / keyed_noise(seed, [position], p.shape[-1])[0]))
+
+
+def keyed_verify(p_rows: np.ndarray, proposals: list[int], seed: int, first: int) -> tuple[int, int]:
+    """A chain's (K+1, V) target distributions at output positions first.. and its K proposals -> (accepted, the
+    token emitted after them): accept while a proposal equals its position's keyed sample."""
+    for i, x in enumerate(proposals):
+        y = keyed_sample(p_rows[i], seed, first + i)
+        if x != y:
+            return i, y
+    return len(proposals), keyed_sample(p_rows[len(proposals)], seed, first + len(proposals))

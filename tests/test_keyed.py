@@ -1,0 +1,159 @@
+"""The keyed sampler (xtokspec/decode/keyed.py, reference/keyed.py): the same bits as the NumPy reference, the
+rule's verification, a chi-square test of its law with a control that must fail, and the promise itself: sampled
+text identical to the target alone's keyed sample with that seed, whatever the draft, K, trees or fallback, with
+mutants that must break it.
+
+False-failure budget: the one chi-square test here claims 5e-5 of a tox run's 1e-3 (docs/testing.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from policies import scripted
+
+import reference
+from xtokspec import SpecConfig, XTokSpec
+from xtokspec.decode import keyed, tree
+from xtokspec.decode.verify import SamplerOps
+from xtokspec.types import XTokSpecError
+
+KEYED_ALPHA = 5e-5
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, 2**64 - 5, -1])
+def test_the_hash_gives_the_references_bits_and_noise_strictly_inside(seed):
+    positions = torch.tensor([0, 1, 5, 123_456, 2**33])
+    ours = keyed.uniforms(seed, positions, 5000).numpy()
+    theirs = reference.keyed_uniforms(seed, positions.numpy(), 5000)
+    assert np.array_equal(ours, theirs)
+    assert 0 < ours.min() and ours.max() < 1
+    noise = keyed.noise(seed, positions, 5000)
+    assert bool(torch.isfinite(noise).all()) and float(noise.min()) > 0
+    assert abs(float(noise.double().mean()) - 1.0) < 0.02  # Exp(1): mean 1 (25,000 draws, sd 0.0063)
+
+
+def test_chain_verification_matches_the_reference_rule():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        k, vocab, first, seed = int(rng.integers(0, 5)), 7, int(rng.integers(0, 50)), int(rng.integers(0, 2**40))
+        p = rng.dirichlet(np.ones(vocab) * 0.5, size=k + 1)
+        samples = keyed.samples(torch.tensor(p), seed, torch.arange(first, first + k + 1)).tolist()
+        # proposals that follow the keyed samples for a while, then guess
+        agree = int(rng.integers(0, k + 1))
+        proposals = samples[:agree] + [int(x) for x in rng.integers(0, vocab, size=k - agree)]
+        assert keyed.verify_chain(samples, proposals) == reference.keyed_verify(p, proposals, seed, first), trial
+
+
+def test_a_trie_is_walked_along_the_keyed_samples():
+    trie = tree.Trie()
+    trie.insert([4, 1])
+    trie.insert([2])
+    a, c, b = 1, 2, 3  # nodes: 4, its child 1, then 2
+    assert tree.walk_keyed(trie, [4, 1, 9, 9, 9]) == ([a, c], 9)  # 4 then 1 accepted, 9 emitted after them
+    assert tree.walk_keyed(trie, [2, 0, 9, 9, 9]) == ([b], 9)
+    assert tree.walk_keyed(trie, [3, 0, 0, 0, 0]) == ([], 3)
+
+
+def test_the_keyed_sampler_follows_the_law_of_a_two_token_table_and_a_position_blind_key_does_not():
+    """y1 ~ p1 and y2 ~ p2[y1], keyed by (seed, position) over 4,000 seeds, against the exact joint law (36
+    cells); the control keys both positions alike (noise by seed alone), which ties y2 to y1 and must be
+    rejected by the same test."""
+    rng = np.random.default_rng(5)
+    p1 = rng.dirichlet(np.ones(6))
+    p2 = 0.7 * p1 + 0.3 * rng.dirichlet(np.ones(6), size=6)  # rows: p(y2 | y1)
+    exact = {(i, j): p1[i] * p2[i, j] for i in range(6) for j in range(6)}
+
+    def draw(position_of) -> list[tuple[int, int]]:
+        out = []
+        for seed in range(4000):
+            y1 = int(keyed.samples(torch.tensor(p1)[None], seed, torch.tensor([position_of(0)]))[0])
+            y2 = int(keyed.samples(torch.tensor(p2[y1])[None], seed, torch.tensor([position_of(1)]))[0])
+            out.append((y1, y2))
+        return out
+
+    result = reference.assert_samples_match(draw(lambda t: t), exact, KEYED_ALPHA, "keyed sampler, 2 tokens")
+    print(f"keyed sampler: p = {result.pvalue:.3g}")
+    control = reference.chisquare_test(*reference.count_samples(draw(lambda t: 0), exact)[:2], KEYED_ALPHA)
+    print(f"control (noise keyed by seed alone): p = {control.pvalue:.3g}")
+    assert control.rejected, reference.format_result(control, "control: position-blind noise")
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=20)]
+CONFIGS = {
+    "bridged K=4": ("bridged", dict(num_draft_tokens=4, adaptive=False)),
+    "bridged K=1": ("bridged", dict(num_draft_tokens=1, adaptive=False)),
+    "bridged intersection": ("bridged", dict(num_draft_tokens=3, adaptive=False, proposal="intersection")),
+    "bridged tree": ("bridged", dict(num_draft_tokens=3, adaptive=False, tree_width=2)),
+    "same tokenizer K=3": ("same", dict(num_draft_tokens=3, adaptive=False)),
+    "same tokenizer tree": ("same", dict(num_draft_tokens=2, adaptive=False, tree_width=3)),
+}
+
+
+def keyed_texts(spec, prompts, seeds, setting, **options) -> list[list[int]]:
+    return [spec.generate(prompt, max_new_tokens=24, do_sample=True, keyed=True, seed=seed, **setting,
+                          **options).token_ids for prompt in prompts for seed in seeds]
+
+
+@pytest.fixture(scope="module")
+def alone_texts(bridged_spec, heldout_prompts):
+    prompts = heldout_prompts[:3]
+    return {n: keyed_texts(bridged_spec, prompts, range(2), setting, alone=True) for n, setting in enumerate(SETTINGS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_keyed_sampled_text_is_the_target_alones_whatever_the_draft(config, bridged_spec, same_spec,
+                                                                    heldout_prompts, alone_texts):
+    """3 prompts x 2 seeds x 3 sampling settings: the text sampled with a draft equals the target alone's keyed
+    sample, token for token (float32, one device)."""
+    which, options = CONFIGS[config]
+    spec = bridged_spec if which == "bridged" else same_spec
+    for n, setting in enumerate(SETTINGS):
+        texts = keyed_texts(spec, heldout_prompts[:3], range(2), setting, **options)
+        assert texts == alone_texts[n], (config, setting)
+
+
+@pytest.mark.slow
+@pytest.mark.fallback
+def test_keyed_text_is_the_same_with_the_fallback_and_adaptive_k(bridged_spec, heldout_prompts, alone_texts):
+    """The measured policies (adaptive K, the fallback to the target alone: wall-clock decisions) and a scripted
+    alternation of drafted and target-alone cycles, each with token healing on (the default): the same text."""
+    setting = SETTINGS[1]
+    assert keyed_texts(bridged_spec, heldout_prompts[:3], range(2), setting) == alone_texts[1]
+    spec = XTokSpec((bridged_spec.target_model, bridged_spec.target_tokenizer),
+                    (bridged_spec.draft_model, bridged_spec.draft_tokenizer), config=SpecConfig(cache="static"))
+    spec.fallback_policy = scripted(lambda policy: policy.cycles % 3 == 2 and policy.since_draft < 2)
+    assert keyed_texts(spec, heldout_prompts[:3], range(2), setting) == alone_texts[1]
+
+
+@pytest.mark.slow
+def test_mutants_of_the_keyed_rule_change_the_text(bridged_spec, heldout_prompts, alone_texts, monkeypatch):
+    """Noise keyed by the cycle's own count instead of the output position, and a verification that accepts the
+    first proposal whatever the samples say: each must give text other than the target alone's."""
+
+    def by_cycle(probs, seed, positions):
+        return keyed.samples(probs, seed, positions - positions[0])
+
+    def texts():
+        return keyed_texts(bridged_spec, heldout_prompts[:3], range(2), SETTINGS[0], num_draft_tokens=4,
+                           adaptive=False)
+
+    monkeypatch.setattr(bridged_spec, "sampler_ops", SamplerOps(keyed_samples=by_cycle))
+    assert texts() != alone_texts[0]
+    monkeypatch.setattr(bridged_spec, "sampler_ops", SamplerOps())
+    real = keyed.verify_chain
+    monkeypatch.setattr(keyed, "verify_chain",
+                        lambda samples, proposals: real(samples, proposals) if not proposals else
+                        (max(1, real(samples, proposals)[0]), samples[max(1, real(samples, proposals)[0])]))
+    assert texts() != alone_texts[0]
+
+
+def test_keyed_needs_sampling():
+    from xtokspec.types import SamplingParams
+
+    with pytest.raises(XTokSpecError, match="keyed=True is a way of sampling"):
+        SamplingParams(keyed=True)
+    with pytest.raises(XTokSpecError, match="keyed must be True or False"):
+        SamplingParams(do_sample=True, keyed=1)

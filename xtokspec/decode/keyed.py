@@ -1,0 +1,82 @@
+"""The keyed sampler: the target's token at each output position is a fixed function of the seed, the position and
+the target's distribution there, so a seed gives the same text whatever the draft proposed.
+
+Sampling is the exponential race (`sampling.race`): y = argmax_v p(v) / E(v) with E(v) ~ Exp(1) independent,
+which draws v with probability p(v). Here E is not drawn from a generator but computed: E(v) = -log U(v), with U
+a counter-based hash of (seed, position, v) mapped into (0, 1) — 24 random bits, strictly inside the interval, so
+E is strictly positive and finite (a zero would give p / 0, which argmax could pick). The hash is integer
+arithmetic on int64 tensors that never overflows (32-bit values, products split in 16-bit halves), so the same
+bits come out on any device.
+
+Verifying a one-hot proposal x at a position under this rule: accept iff x equals that position's keyed sample y;
+on a rejection y itself is emitted. Acceptance then happens with probability p(x), as in the usual one-hot rule,
+and every emitted token is the target alone's keyed sample: the text is identical to the target alone's, whatever
+was proposed (drafter-invariant speculative decoding, Daliri, Musco and Suresh 2024). Positions count target
+tokens after the prompt, so the text bridge never touches what is emitted. reference/keyed.py holds the rule in
+NumPy with its proof sketch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK = 0xFFFFFFFF
+SEED_SALT, POSITION_MUL, TOKEN_MUL, TOKEN_SALT = 0x9E3779B9, 0x27D4EB2F, 0x165667B1, 0x7F4A7C15
+
+
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) and c < 2^32, with no intermediate above 2^49."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return ((((hi * c) & 0xFFFF) << 16) + lo * c) & MASK
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (every input bit moves every output bit)."""
+    h = h ^ (h >> 16)
+    h = mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def fold(seed: int) -> int:
+    """A seed of any size as 32 bits (both halves of a 64-bit seed count)."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & MASK
+
+
+def uniforms(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N,) int64 positions -> (N, vocab) float64 U(0, 1) values keyed by (seed, position, token id)."""
+    device = positions.device
+    base = fmix32(torch.tensor(fold(seed) ^ SEED_SALT, dtype=torch.int64, device=device))
+    rows = fmix32(base ^ mul32(positions.to(torch.int64) & MASK, POSITION_MUL))  # (N,)
+    ids = mul32(torch.arange(vocab, dtype=torch.int64, device=device), TOKEN_MUL)  # (V,)
+    h = fmix32(fmix32(rows[:, None] ^ ids) ^ TOKEN_SALT)  # (N, V)
+    # NOTE: 24 bits plus a half: strictly inside (0, 1), exact in float32 and float64 alike
+    return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+def noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N, vocab) float32 Exp(1) noise keyed by (seed, position, token id): -log U, strictly positive."""
+    return (-torch.log(uniforms(seed, positions, vocab))).to(torch.float32)
+
+
+def samples(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """(N, V) distributions at the (N,) output positions -> (N,) their keyed samples."""
+    return torch.argmax(probs / noise(seed, positions.to(probs.device), probs.shape[-1]), dim=-1)
+
+
+def verify_chain(samples_at: list[int], proposals: list[int]) -> tuple[int, int]:
+    """A chain's keyed samples at its K + 1 positions and its K proposals -> (accepted, the token emitted after
+    them): accepted while a proposal equals its position's sample; then that position's sample."""
+    accepted = next((i for i, (x, y) in enumerate(zip(proposals, samples_at, strict=False)) if x != y),
+                    len(proposals))
+    return accepted, samples_at[accepted]
+
+
+def margin(probs: torch.Tensor, seed: int, position: int) -> float:
+    """A keyed sample's margin at one position: the gap between the top two of log p - log E (0: a tie that
+    floating-point differences between two runs could flip)."""
+    keys = torch.log(probs.float()) - torch.log(noise(seed, torch.tensor([position]), probs.shape[-1])[0]).to(probs.device)
+    top = torch.topk(keys, 2).values
+    return float(top[0] - top[1])
