@@ -1,8 +1,9 @@
 """The keyed sampler in NumPy: noise that is a fixed function of (seed, output position, token id), the target's
 keyed sample, and verification by matching it (xtokspec/decode/keyed.py and verify.py are tested against this).
 
-The hash: MurmurHash3's 32-bit finaliser over (seed folded to 32 bits, position, token id); the top 24 bits plus
-one half, over 2^24, give U strictly inside (0, 1); E = -log U ~ Exp(1). NumPy's uint64 arithmetic here and the
+The hash: MurmurHash3's 32-bit finaliser (fmix) over (seed folded to 32 bits, position) for a row key, and over
+the token id for a token key; fmix(row key xor token key), its top 24 bits plus one half, over 2^24, give U
+strictly inside (0, 1); E = -log U ~ Exp(1). NumPy's uint64 arithmetic here and the
 torch int64 arithmetic there compute the same bits.
 
 Proof sketch.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 MASK = np.uint64(0xFFFFFFFF)
-SEED_SALT, POSITION_MUL, TOKEN_MUL, TOKEN_SALT = 0x9E3779B9, 0x27D4EB2F, 0x165667B1, 0x7F4A7C15
+SEED_SALT, POSITION_MUL, TOKEN_MUL = 0x9E3779B9, 0x27D4EB2F, 0x165667B1
 
 
 def _mul(x: np.ndarray, c: int) -> np.ndarray:
@@ -54,8 +55,8 @@ def keyed_uniforms(seed: int, positions, vocab: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         base = _fmix(np.asarray(folded ^ np.uint64(SEED_SALT), dtype=np.uint64))
         rows = _fmix(base ^ _mul(np.asarray(positions, dtype=np.uint64) & MASK, POSITION_MUL))
-        ids = _mul(np.arange(vocab, dtype=np.uint64), TOKEN_MUL)
-        h = _fmix(_fmix(rows[:, None] ^ ids[None, :]) ^ np.uint64(TOKEN_SALT))
+        ids = _fmix(_mul(np.arange(vocab, dtype=np.uint64), TOKEN_MUL))
+        h = _fmix(rows[:, None] ^ ids[None, :])
     return ((h >> np.uint64(8)).astype(np.float64) + 0.5) / float(1 << 24)
 
 

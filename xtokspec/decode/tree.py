@@ -193,15 +193,16 @@ def walk_sampled(trie: Trie, p_children: list[list[float]], uniforms: list[list[
         node = accepted
 
 
-def walk_keyed(trie: Trie, samples: list[int]) -> tuple[list[int], int]:
+def walk_keyed(trie: Trie, sample) -> tuple[list[int], int]:
     """The keyed sampler's walk (decode/keyed.py): from the root, to the child whose token is the node's keyed
-    sample (`samples[n]`, node n's), until no child is -> (accepted path, the token emitted: the last node's
-    sample)."""
+    sample (`sample(n)`, node n's, computed only for the nodes reached), until no child is -> (accepted path, the
+    token emitted: the last node's sample)."""
     node, path = 0, []
     while True:
-        child = next((c for c in trie.children[node] if trie.tokens[c] == samples[node]), None)
+        token = sample(node)
+        child = next((c for c in trie.children[node] if trie.tokens[c] == token), None)
         if child is None:
-            return path, samples[node]
+            return path, token
         path.append(child)
         node = child
 

@@ -30,7 +30,8 @@ class SamplerOps:
     count_accepted: Callable = sampling.count_accepted  # a chain's accepted proposals
     next_token_distribution: Callable = sampling.next_token_distribution  # a chain's residual or bonus row
     walk: Callable = tree.walk_sampled  # a trie's walk down its accepted path
-    keyed_samples: Callable = keyed.samples  # the keyed sampler's (probs, seed, positions) -> ids
+    keyed_chain: Callable = keyed.chain  # a chain's verdict under the keyed rule
+    keyed_walk: Callable = tree.walk_keyed  # a trie's walk along the keyed samples
 
 
 @dataclass
@@ -71,9 +72,7 @@ def verify_chain(target: ModelState, proposals: list[int], proposal_probs: torch
     target_probs = sampling.logits_to_probs(logits, sampler.warpers)  # (K+1, Vt)
     if sampler.key is not None:
         first = len(target.ids) - len(proposals) - sampler.start
-        positions = torch.arange(first, first + len(proposals) + 1)
-        accepted, next_token = keyed.verify_chain(
-            sampler.ops.keyed_samples(target_probs, sampler.key, positions).tolist(), proposals)
+        accepted, next_token = sampler.ops.keyed_chain(target_probs, proposals, sampler.key, first)
         return Verdict(accepted, next_token, accepted < len(proposals), target_probs=target_probs)
     proposal_ids = to_device(proposals, logits.device)  # (K,)
     gen = sampler.generator
@@ -92,8 +91,9 @@ def verify_tree(target: ModelState, trie: tree.Trie, sampler: Sampler | None, ro
         path, next_token = tree.verify_tree_greedy(logits, trie)
     elif sampler.key is not None:
         probs = sampling.logits_to_probs(logits, sampler.warpers)  # (N+1, Vt)
-        positions = torch.tensor(trie.depths) + (len(target.ids) - sampler.start)
-        path, next_token = tree.walk_keyed(trie, sampler.ops.keyed_samples(probs, sampler.key, positions).tolist())
+        first = len(target.ids) - sampler.start
+        path, next_token = sampler.ops.keyed_walk(
+            trie, lambda node: keyed.sample(probs[node], sampler.key, first + trie.depths[node]))
     else:
         probs = sampling.logits_to_probs(logits, sampler.warpers)  # (N+1, Vt)
         gen = sampler.generator

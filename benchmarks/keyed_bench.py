@@ -1,0 +1,149 @@
+"""The keyed sampler against today's sampled paths, paired per prompt: tokens per target call and speed.
+
+    python benchmarks/keyed_bench.py [--preset fixtures|real] [--temperature 0.7] [--prompts 16]
+                                     [--new-tokens 64] [--rounds 2] [--fixed-k K]
+                                     [--out benchmarks/results/MACHINE/STUDY/results.json]
+
+Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)` on one XTokSpec with the
+library's defaults (adaptive K, the fallback, healing): `onehot` (proposal="onehot", the residual rule), `auto`
+(proposal="auto", today's default for sampled chains across tokenizers), `keyed` (keyed=True: one-hot proposals
+accepted iff they equal the target's keyed sample). Every prompt runs every system in each round, in an order
+that alternates by prompt and round (ABC, CBA, ...), after one warm-up generation per system; a system's time for
+a prompt is its median over rounds. Ratios are paired per prompt: keyed / onehot and keyed / auto, the median
+and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed noise's own cost per
+cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SYSTEMS = {"onehot": dict(proposal="onehot"), "auto": dict(proposal="auto"), "keyed": dict(keyed=True)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fixed-k", type=int, metavar="K", help="every system drafts K every cycle (adaptive=False: "
+                        "no fallback), so the rules alone differ; default: the library's adaptive defaults")
+    parser.add_argument("--out", type=Path, help="write results.json (and results.md beside it) here")
+    return parser
+
+
+def lower_bound(ratios: list[float]) -> float:
+    import numpy as np
+    from scipy import stats
+
+    if len(set(ratios)) < 2:
+        return min(ratios)
+    result = stats.bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, alternative="greater",
+                             method="percentile", n_resamples=9999, rng=np.random.default_rng(0))
+    return float(result.confidence_interval.low)
+
+
+def load(preset: str):
+    import torch
+
+    from xtokspec import XTokSpec
+
+    if preset == "fixtures":
+        models = ROOT / "fixtures" / "models"
+        spec = XTokSpec(str(models / "ja-target"), str(models / "ja-draft-bpe"),
+                        large_kwargs={"dtype": torch.float32}, small_kwargs={"dtype": torch.float32})
+        lines = (ROOT / "fixtures" / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
+        return spec, [line for line in lines if line]
+    from real_models import real_model_dir
+
+    spec = XTokSpec(str(real_model_dir("qwen2.5-coder-1.5b")), str(real_model_dir("gemma-3-270m")),
+                    large_kwargs={"dtype": torch.bfloat16}, small_kwargs={"dtype": torch.bfloat16})
+    lines = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
+    return spec, [line for line in lines if 40 <= len(line) <= 120]
+
+
+def noise_cost(vocab: int, rows: int = 5, repeats: int = 20) -> float:
+    """Seconds of keyed.noise over `rows` positions of `vocab` ids (the median of `repeats`)."""
+    import torch
+
+    from xtokspec.decode import keyed
+
+    times = []
+    for n in range(repeats):
+        t0 = time.perf_counter()
+        keyed.noise(n, torch.arange(rows), vocab)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    fixed = {} if args.fixed_k is None else {"num_draft_tokens": args.fixed_k, "adaptive": False}
+    import torch
+    from common import cpu_name, write_manifest
+
+    torch.set_num_threads(1)
+    if args.out:
+        write_manifest(args.out.parent, threads=1)
+    spec, prompts = load(args.preset)
+    prompts = prompts[: args.prompts]
+    names = list(SYSTEMS)
+    for name in names:  # warm-up
+        spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
+                      **SYSTEMS[name], **fixed)
+    runs = {name: [[] for _ in prompts] for name in names}
+    for r in range(args.rounds):
+        for n, prompt in enumerate(prompts):
+            order = names if (n + r) % 2 == 0 else names[::-1]
+            for name in order:
+                result = spec.generate(prompt, max_new_tokens=args.new_tokens, do_sample=True,
+                                       temperature=args.temperature, seed=n, **SYSTEMS[name], **fixed)
+                s = result.stats
+                runs[name][n].append({"seconds": s.wall_seconds, "tokens": s.new_tokens, "calls": s.target_forwards,
+                                      "drafted": s.drafted, "accepted": s.accepted, "ids": result.token_ids})
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    summary = {}
+    for name in names:
+        per = [{"tokens_per_s": statistics.median(x["tokens"] / x["seconds"] for x in runs[name][n]),
+                "tokens_per_call": sum(x["tokens"] for x in runs[name][n]) / sum(x["calls"] for x in runs[name][n])}
+               for n in range(len(prompts))]
+        summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
+                         "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
+    pairs = {}
+    for other in ("onehot", "auto"):
+        ratios = [k["tokens_per_s"] / o["tokens_per_s"]
+                  for k, o in zip(summary["keyed"]["per_prompt"], summary[other]["per_prompt"], strict=True)]
+        pairs[f"keyed/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
+    vocab = spec.target_model.config.vocab_size
+    costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab), "noise_s_5_rows_151936": noise_cost(151936)}
+    header = (f"keyed sampler ({cpu_name()}, 1 torch thread), {args.preset} pair, T={args.temperature}, "
+              f"{len(prompts)} prompts x {args.new_tokens} tokens, {args.rounds} rounds, "
+              + ("adaptive defaults" if args.fixed_k is None else f"K={args.fixed_k} every cycle"))
+    lines = [header, "", "| system | tokens/s (median over prompts) | tokens per target call |", "|---|---|---|"]
+    lines += [f"| {name} | {summary[name]['tokens_per_s']:.1f} | {summary[name]['tokens_per_call']:.2f} |"
+              for name in names]
+    lines += ["", "| paired per prompt | median | 95% lower |", "|---|---|---|"]
+    lines += [f"| {k} | {v['median']:.3f} | {v['lower95']:.3f} |" for k, v in pairs.items()]
+    lines += ["", f"keyed noise for 5 positions: {costs['noise_s_5_rows'] * 1e3:.2f} ms over {vocab} ids, "
+              f"{costs['noise_s_5_rows_151936'] * 1e3:.2f} ms over 151,936 (Qwen's vocabulary)"]
+    print("\n".join(lines))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"header": header, "command": "python benchmarks/keyed_bench.py "
+                                        + " ".join(sys.argv[1:]), "summary": summary, "pairs": pairs,
+                                        "costs": costs, "runs": runs}, indent=1), encoding="utf-8")
+        args.out.with_name("results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
