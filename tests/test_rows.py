@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from xtokspec.decode.rows import Acceptance, RowDraftLengths, SizeCosts, outcome
+from xtokspec.decode.rows import Acceptance, LinearCosts, RowDraftLengths, outcome
 from xtokspec.types import expected_tokens
 
 
@@ -22,15 +22,21 @@ def test_outcome_tells_a_rejection_from_a_cut_proposal():
     assert outcome([5], [5]) == (0, False)
 
 
-def test_size_costs_interpolate_between_seen_sizes_and_hold_the_nearest_outside():
-    costs = SizeCosts()
-    assert costs(3) == 0.0
-    for seconds in (1.0, 1.2, 9.0):  # a median: one slow sample does not move it
-        costs.observe(2, seconds)
-    costs.observe(6, 3.0)
-    assert costs(2) == pytest.approx(1.2)
-    assert costs(4) == pytest.approx(2.1)
-    assert costs(1) == pytest.approx(1.2) and costs(9) == pytest.approx(3.0)
+def test_linear_costs_fit_a_plane_hold_unseen_slopes_at_zero_and_never_go_negative():
+    costs = LinearCosts(2)
+    assert costs(8, 3) == 0.0
+    for b in (1, 4, 8):
+        for p in (0, b, 3 * b):
+            for noise in (-0.001, 0.0, 0.0, 0.001, 0.5):  # a median: one slow sample does not move a size
+                costs.observe((b, p), 0.010 + 0.003 * b + 0.001 * p + noise)
+    assert costs(6, 10) == pytest.approx(0.010 + 0.018 + 0.010, abs=1e-4)
+    one = LinearCosts(1)
+    one.observe((3,), 0.02)
+    assert one(3) == pytest.approx(0.02) and one(8) == pytest.approx(0.02, abs=1e-6)  # no slope seen: none assumed
+    falling = LinearCosts(1)
+    for m, t in ((1, 0.03), (2, 0.02), (4, 0.01)):
+        falling.observe((m,), t)
+    assert falling(1) == falling(8) == pytest.approx(0.02)  # a negative slope is held at 0: the weighted mean
 
 
 class Server:

@@ -7,21 +7,23 @@ that draft (one forward per drafted position). With per-token acceptance a_i, K_
 `expected_tokens(a_i, K_i)` tokens on average for request i, and the step commits the sum. The policy chooses
 the K_i that maximise committed tokens per second:
 
-    rate = sum_i expected_tokens(a_i, K_i) / (target_B(sum_i K_i) + k * draft(m))
+    rate = sum_i expected_tokens(a_i, K_i) / (target(B, sum_i K_i) + k * draft(m))
 
-with B the requests in the step, m the requests that draft, k = max K_i, target_B(p) the measured seconds of a
+with B the requests in the step, m the requests that draft, k = max K_i, target(B, p) the measured seconds of a
 step of B requests that verified p proposals, and draft(m) the measured seconds per draft forward over m
 requests (all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests'
-caches). A step's cost is kept per request count because a server's costs per request (scheduling, sampling,
-the output) and per proposal differ: a step of 8 requests is not a step of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
+caches). A step's cost has a slope per request and one per proposal: a server's costs per request (scheduling,
+sampling, the output) and per proposal differ, and a step of 8 requests is not one of 2 requests with 6
+proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
 target position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at
 all, is one of the choices: where extra positions cost more than they return (a large batch, a poor draft),
 nothing is drafted.
 
-The costs are measured per size (recent samples per proposal count, per request count) and interpolated, rather
-than fitted as one line: a server's steps come at a few sizes only (B, and B + K x drafting requests), and a
-line through them forgets its slope as soon as the sizes stop varying. Where a size has not been seen, the
-nearest seen cost stands in (optimism: drafting is tried, then measured). Acceptance is learned per request from
+The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
+and fitted as a plane (a line) through the sizes' medians, each weighted by its samples: a server's steps come at
+many sizes with few samples each, noisy one by one, and samples kept per size keep a slope measured however
+long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes seen cannot show is
+taken as 0 (optimism: drafting is tried, then measured). Acceptance is learned per request from
 what vLLM accepted of its last proposal; a new request starts from the rate pooled over the requests before it,
 and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
 tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
@@ -35,45 +37,64 @@ verifies whatever is proposed.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..types import expected_tokens
 from .policy import DECAY, WARM_CYCLES, Fallback
 
 
-class SizeCosts:
-    """Seconds by size (positions in a step, requests in a forward): the median of each size's recent samples,
-    interpolated linearly between seen sizes; the nearest seen size's cost outside them; 0 before any."""
+class LinearCosts:
+    """Seconds as a line (a plane) in a few sizes, e.g. (requests, proposals): recent samples kept per size, each
+    size's median weighted by its sample count, fitted by least squares. A slope the sizes seen cannot show
+    (one value only) is held at 0, and no slope is negative: an unmeasured size is taken as cheap as the ones
+    measured (optimism: it is tried, then measured)."""
 
-    SAMPLES = 8
+    SAMPLES = 8  # recent samples kept per size
+    RIDGE = 1e-6  # a slope's pull to 0, against each sample's weight of 1
 
-    def __init__(self):
-        self.times: dict[int, collections.deque] = {}
-        self.sizes: list[int] = []
+    def __init__(self, features: int):
+        self.features = features
+        self.times: dict[tuple, collections.deque] = {}
+        self.coef: np.ndarray | None = None
 
-    def observe(self, size: int, seconds: float) -> None:
-        if size not in self.times:
-            self.times[size] = collections.deque(maxlen=self.SAMPLES)
-            bisect.insort(self.sizes, size)
-        self.times[size].append(seconds)
+    def observe(self, size: tuple, seconds: float) -> None:
+        self.times.setdefault(tuple(size), collections.deque(maxlen=self.SAMPLES)).append(seconds)
+        self.coef = None
 
-    def __call__(self, size: float) -> float:
-        sizes = self.sizes
-        if not sizes:
+    def seen(self, where) -> bool:
+        """Whether a size for which `where(size)` holds has been measured."""
+        return any(where(size) for size in self.times)
+
+    def __call__(self, *size) -> float:
+        if not self.times:
             return 0.0
-        i = bisect.bisect_left(sizes, size)
-        if i < len(sizes) and sizes[i] == size:
-            return statistics.median(self.times[size])
-        if i == 0 or i == len(sizes):
-            return statistics.median(self.times[sizes[min(i, len(sizes) - 1)]])
-        lo, hi = sizes[i - 1], sizes[i]
-        t_lo, t_hi = statistics.median(self.times[lo]), statistics.median(self.times[hi])
-        return t_lo + (t_hi - t_lo) * (size - lo) / (hi - lo)
+        if self.coef is None:
+            self.coef = self._fit()
+        return max(0.0, float(self.coef @ np.array([1.0, *size])))
+
+    def _fit(self) -> np.ndarray:
+        keys = list(self.times)
+        x = np.array([[1.0, *k] for k in keys])
+        y = np.array([statistics.median(self.times[k]) for k in keys])
+        w = np.array([len(self.times[k]) for k in keys], dtype=float)
+        free = list(range(1, self.features + 1))
+        while True:
+            rows = np.sqrt(w)[:, None] * x
+            ridge = np.sqrt(self.RIDGE) * np.eye(self.features + 1)[free]  # only the slopes still free
+            coef, *_ = np.linalg.lstsq(np.vstack([rows, ridge]), np.concatenate([np.sqrt(w) * y, np.zeros(len(free))]),
+                                       rcond=None)
+            negative = [j for j in free if coef[j] < 0]
+            if not negative:
+                return coef
+            free = [j for j in free if j not in negative]  # held at 0: the others refitted without it
+            x = x.copy()
+            x[:, negative] = 0.0
 
 
 @dataclass
@@ -123,9 +144,9 @@ class RowDraftLengths:
 
     def __init__(self, cap: int, adaptive: bool = True):
         self.cap, self.adaptive = cap, adaptive
-        self.target: dict[int, SizeCosts] = {}  # requests in a step -> its seconds by proposals verified
-        self.quiet = SizeCosts()  # seconds of a call that drafted nothing, by requests in it
-        self.draft = SizeCosts()  # seconds per draft forward beyond a quiet call, by requests drafting
+        self.target = LinearCosts(2)  # a step's seconds, by (requests, proposals verified)
+        self.quiet = LinearCosts(1)  # a call that drafted nothing, by requests in it
+        self.draft = LinearCosts(1)  # a draft forward beyond a quiet call, by requests drafting
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.steps = 0  # steps whose time was measured
         self.drafted = 0  # drafting calls whose cost was measured
@@ -139,31 +160,30 @@ class RowDraftLengths:
     def observe_step(self, rows: int, proposals: int, seconds: float) -> None:
         """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds`."""
         if rows > 0:
-            self.target.setdefault(rows, SizeCosts()).observe(proposals, seconds)
+            self.target.observe((rows, proposals), seconds)
             self.steps += 1
 
     def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float) -> None:
         """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards, took
         `seconds` (no prefill in it)."""
         if not drafting or not forwards:
-            self.quiet.observe(rows, seconds)
+            self.quiet.observe((rows,), seconds)
             return
-        self.draft.observe(drafting, max(0.0, seconds - self.quiet(rows)) / forwards)
+        self.draft.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
         self.drafted += 1
 
     def step_cost(self, rows: int, proposals: int) -> float:
-        """target_B(p): from the nearest request count measured."""
-        if not self.target:
-            return 0.0
-        return self.target[min(self.target, key=lambda b: (abs(b - rows), -b))](proposals)
+        """target_B(p), from the plane fitted to the steps measured."""
+        return self.target(rows, proposals)
 
-    def observe_proposal(self, request: Acceptance, proposed: Sequence[int], new: Sequence[int]) -> None:
-        """A request's last proposal against the ids vLLM committed for it next."""
+    def observe_proposal(self, request: Acceptance, proposed: Sequence[int], new: Sequence[int]) -> int:
+        """A request's last proposal against the ids vLLM committed for it next -> the proposals accepted."""
         if not proposed or not new:
-            return
+            return 0
         accepted, rejected = outcome(proposed, new)
         request.observe(accepted, rejected)
         self.pool.observe(accepted, rejected, self.POOL_DECAY)
+        return accepted
 
     # -------------------------------------------------------------------------------- the choice
     def rates(self, requests: Sequence[Acceptance]) -> list[float]:
@@ -179,8 +199,7 @@ class RowDraftLengths:
         if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft, and measure
             return self._drafting([self.cap] * n, requests)
         rows = max(rows, n)
-        costs = self.target.get(rows) or self.target[min(self.target, key=lambda b: (abs(b - rows), -b))]
-        if costs.sizes[0] > 0 or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
+        if not self.target.seen(lambda size: size[1] == 0) or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
         a = self.rates(requests)
         base = self.step_cost(rows, 0)

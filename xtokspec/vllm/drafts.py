@@ -39,18 +39,21 @@ class RequestDraft:
             healing=owner.healing, target_vocab=owner.target_vocab)
         self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
 
-    def advance(self, new_ids: list[int], policy=None) -> None:
+    def advance(self, new_ids: list[int], policy=None) -> int:
         """The row's new target ids: `policy` (decode.rows.RowDraftLengths) learns what vLLM did with the last
         proposal; the draft commits them now if it drafted last (keeping the drafted ids they repeat, re-encoding
-        the rest), else when it drafts next (a request that is not drafting costs no bridging)."""
+        the rest), else when it drafts next (a request that is not drafting costs no bridging) -> how many of
+        the last proposal's ids vLLM accepted."""
+        accepted = 0
         if policy is not None and self.proposed:
-            policy.observe_proposal(self.acceptance, self.proposed, new_ids)
+            accepted = policy.observe_proposal(self.acceptance, self.proposed, new_ids)
         self.proposed = []
         if self.drafted:
             self.mapper.commit(self.state, self.drafted, new_ids)
             self.drafted = []
         else:
             self.pending += new_ids
+        return accepted
 
     def catch_up(self) -> None:
         """Commit the ids that arrived while the request was not drafting."""

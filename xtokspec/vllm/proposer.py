@@ -91,6 +91,7 @@ class ProposerStats:
     rows: int = 0  # rows that were given a chance to propose
     drafting_rows: int = 0  # of those, the rows the policy let draft (decode.rows.RowDraftLengths)
     proposed: int = 0  # target ids proposed
+    accepted: int = 0  # of those, accepted by vLLM (seen in the ids it commits next)
     draft_forwards: int = 0  # drafted ids (one forward per drafted id, per request, when not batched)
     batched_forwards: int = 0  # forwards over several requests at once (draft_together)
     copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
@@ -420,7 +421,7 @@ class TextBridgeProposer:
             self.stats.new_states += 1
         elif seen < len(row) or entry.payload.drafted:
             # NOTE: only the new ids leave numpy (rows are long)
-            entry.payload.advance(row[seen:].tolist(), self.policy)
+            self.stats.accepted += entry.payload.advance(row[seen:].tolist(), self.policy)
         if int(row[-1]) in self.pair.target_eos:
             return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
         return max(0, min(self.k, self.max_model_len - len(row) - 1))
