@@ -51,12 +51,15 @@ class Server:
     def run(self, policy: RowDraftLengths, steps: int, fixed: int | None = None) -> dict:
         requests = [Acceptance() for _ in self.rates]
         tokens = seconds = drafting = 0.0
+        last_step = None  # as a proposer sees it: the step before each call, timed at the call
         for _ in range(steps):
             lengths = [fixed] * len(requests) if fixed is not None else policy.lengths(requests, len(requests))
             k, m = max(lengths), sum(x > 0 for x in lengths)
             draft_s = k * self.draft(m) if m else 0.0
             step_s = self.step(len(requests), sum(lengths))
             policy.observe_call(len(requests), m, k, draft_s + 1e-4)
+            policy.observe_time(len(requests), last_step, draft_s + 1e-4)
+            last_step = step_s
             policy.observe_step(len(requests), sum(lengths), step_s)
             for rate, request, length in zip(self.rates, requests, lengths, strict=True):
                 accepted = 0

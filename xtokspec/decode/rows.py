@@ -155,6 +155,10 @@ class RowDraftLengths:
         self.alone_run = Fallback.PROBE_DRAFT_FIRST
         self.probing = False
         self.probes = 0
+        self.elapsed = 0.0  # seconds served so far (steps and the proposer's calls)
+        self.probe_spent = 0.0  # of those, what probes cost (their calls, and their steps' extra time)
+        self.probed = False  # this call's lengths are a probe
+        self.probed_before = False  # the last call's were
 
     # -------------------------------------------------------------------------------- what was measured
     def observe_step(self, rows: int, proposals: int, seconds: float) -> None:
@@ -171,6 +175,19 @@ class RowDraftLengths:
             return
         self.draft.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
         self.drafted += 1
+
+    def observe_time(self, rows: int, interval: float | None, call: float) -> None:
+        """Where the time goes, for the probes' budget: `interval` since the last call (the step; None: unknown),
+        of `rows` requests, then this `call`'s own seconds. A probe is charged its call and its step's time beyond
+        a step without proposals."""
+        if interval is not None:
+            self.elapsed += interval
+            if self.probed_before:  # the step verified the last call's probe
+                self.probe_spent += max(0.0, interval - self.step_cost(rows, 0))
+        self.elapsed += call
+        if self.probed:
+            self.probe_spent += call
+        self.probed_before = self.probed
 
     def step_cost(self, rows: int, proposals: int) -> float:
         """target_B(p), from the plane fitted to the steps measured."""
@@ -194,10 +211,11 @@ class RowDraftLengths:
         """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
         may not draft included): 0..cap each."""
         n = len(requests)
+        self.probed = False
         if not self.adaptive or not n:
             return [self.cap] * n
-        if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft, and measure
-            return self._drafting([self.cap] * n, requests)
+        if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
+            return self._drafting([1] * n, requests)
         rows = max(rows, n)
         if not self.target.seen(lambda size: size[1] == 0) or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
@@ -217,8 +235,10 @@ class RowDraftLengths:
         if self.probing:  # the probe was measured and lost
             self.probing = False
             self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, batched))
-        if self.since_draft >= self.alone_run:  # a probe: the request that has waited longest drafts, alone
-            self.probing, self.probes = True, self.probes + 1
+        # a probe: the request that has waited longest drafts, alone, while probes have cost at most PROBE_BUDGET
+        # of the time served (a probe may have to read its request's text first, which a step's count misses)
+        if self.since_draft >= self.alone_run and self.probe_spent <= self.PROBE_BUDGET * self.elapsed:
+            self.probing, self.probes, self.probed = True, self.probes + 1, True
             probe = max(range(n), key=lambda i: requests[i].idle)
             return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests)
         return self._alone(n, requests)

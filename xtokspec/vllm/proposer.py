@@ -300,8 +300,9 @@ class TextBridgeProposer:
         # the step since the last call: its time is the target's over the positions it scheduled, unless a
         # prefill ran in it (a new request, or one still prefilling)
         decode_only = all(row is not None for row in rows) and all(hit is None or hit[1] for hit in assigned)
-        if self._last_end is not None and decode_only and self._last_step[0]:
-            policy.observe_step(*self._last_step, call_start - self._last_end)
+        interval = None if self._last_end is None else call_start - self._last_end
+        if interval is not None and decode_only and self._last_step[0]:
+            policy.observe_step(*self._last_step, interval)
         out: list[list[int]] = [[] for _ in rows]
         candidates: list[tuple[int, Entry, int]] = []  # (row, its table entry, room): rows that may draft
         live = 0  # rows in the next step
@@ -410,6 +411,7 @@ class TextBridgeProposer:
             stats.quiet_s += end - call_start
         self._bound_memory()
         self._last_end = time.perf_counter()
+        policy.observe_time(self._last_step[0], interval, self._last_end - call_start)
         self._last_step = live, sum(len(ids) for ids in out)
         return out
 
