@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_manifest
 
 from xtokspec.decode.propose import ChainProposer
 from xtokspec.runtime.cache import ModelState
@@ -144,6 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     context = tuple(int(x) for x in args.context.split("-"))
     args.out.mkdir(parents=True, exist_ok=True)
+    write_manifest(args.out, args.device)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     results = {"device": device_name, "torch": torch.__version__, "k": args.k, "context": args.context, "drafts": {}}
     for name in args.drafts:

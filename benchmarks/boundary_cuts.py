@@ -11,7 +11,7 @@ token boundary in the draft's encoding of the whole text ("aligned") or inside o
 
     python benchmarks/boundary_cuts.py --draft ~/.cache/xtokspec/real/gemma-3-270m \\
         --target-tokenizer ~/.cache/xtokspec/real/qwen2.5-coder-1.5b \\
-        --references benchmarks/distill-real-epyc-avx512bf16/agreement-gemma/references.jsonl --prompts 64 --out FILE
+        --references benchmarks/results/epyc-avx512bf16/distill/agreement-gemma/references.jsonl --prompts 64 --out FILE
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ generation stopped; with `--check` (the default) also whether the output equals 
 all accepted / (all accepted + all rejections), tokens per call = all committed tokens / all target calls.
 Results: results.json and results.md under --out.
 
-    python benchmarks/chat_acceptance.py --out benchmarks/real-chat-epyc-avx512bf16
+    python benchmarks/chat_acceptance.py --out benchmarks/results/epyc-avx512bf16/chat
 
 Model names are those of benchmarks/real_models.py (converted under xtokspec.cli.presets.real_models_root()).
 """
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, load_real
+from common import cpu_name, load_real, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = "次の文章の続きを書いてください。\n\n"
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="compare each output with the target alone's greedy generate")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "real-chat")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "local" / "chat")
     return parser
 
 
@@ -168,6 +168,7 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "dtype": args.dtype, "config": repr(config),
                "target": args.target, "instruction": args.instruction, "pooled": summary, "runs": rows}
     args.out.mkdir(parents=True, exist_ok=True)
+    write_manifest(args.out)
     (args.out / "results.json").write_text(json.dumps(results, ensure_ascii=False, indent=1), encoding="utf-8")
     md = f"{table(results)}\n\n`{results['command']}`; {results['hardware']}, torch {results['torch']}, {args.dtype}.\n"
     (args.out / "results.md").write_text(md, encoding="utf-8")

@@ -4,6 +4,7 @@ import path)."""
 from __future__ import annotations
 
 import platform
+import sys
 from pathlib import Path
 
 
@@ -69,3 +70,16 @@ def save_report(out: Path, stem: str, lines: list[str], table: str, payload: dic
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False))
     print(text)
+
+
+def write_manifest(out: Path, device: str | None = None, argv: list[str] | None = None, **extra) -> Path:
+    """OUT/manifest.json for this script's run: commit, machine (CPU flags or GPU), torch and transformers
+    versions, the command as typed from the repository root (`python benchmarks/NAME.py ARGS`), the date
+    (xtokspec.cli.common.manifest). Every script that writes a result folder calls it when it starts writing."""
+    import shlex
+
+    from xtokspec.cli.common import write_manifest as write
+
+    script = Path(sys.argv[0]).name
+    words = sys.argv[1:] if argv is None else argv
+    return write(Path(out), "python " + shlex.join([f"benchmarks/{script}", *words]), device, **extra)

@@ -47,7 +47,7 @@ import time
 import traceback
 from pathlib import Path
 
-from common import cpu_name
+from common import cpu_name, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("bridged", "same")
@@ -422,6 +422,7 @@ def controller_main(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, args.device)
         result = {"header": header, "args": vars(args), "setup": setup, "hello": hello, "groups": groups,
                   "measurement_seconds": elapsed}
         (out / "results.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

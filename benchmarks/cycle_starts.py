@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from common import write_manifest
 from distill_agreement import held_out_prompts
 
 from xtokspec import SpecConfig, XTokSpec
@@ -58,6 +59,7 @@ def run(name: str, path: str, shard: str, out: Path, healing: bool = False) -> N
         result = spec.generate(prompt, max_new_tokens=64)
         rows.append({"prompt": prompt, "out": result.token_ids, "cycles": list(cycles), "draft": path})
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out)
     (out / f"{name}-{index}.json").write_text(json.dumps(rows, ensure_ascii=False))
 
 

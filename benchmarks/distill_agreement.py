@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 
 import torch
+from common import write_manifest
 
 from xtokspec.distill.pipeline import agreement, continue_prompts
 from xtokspec.runtime.models import load
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    write_manifest(args.out)
     prompts = held_out_prompts(args.from_prompts, args.from_heldout)
     records = references(args.target, prompts, args.new_tokens, args.dtype, args.engine, args.out / "references.jsonl")
     from transformers import AutoTokenizer

@@ -14,9 +14,9 @@ compile buckets through torch.compile); the draft's one-token step eager (dynami
 cache, and compiled (CUDA graphs: torch.compile mode reduce-overhead), i.e. c = draft step / target step.
 
 Prediction (labelled as such): the acceptance traces that `xtokspec bench --preset real` measured on the CPU
-(benchmarks/real/results.json: per-token acceptance alpha and each cycle's proposals m) combined with these
-GPU costs by Leviathan et al.'s eq. 1: tokens per cycle (1 - alpha^(m+1)) / (1 - alpha) over the cycle's
-cost (its draft steps * draft step + verify(m) + the loop's own overhead), in units of a target step.
+(benchmarks/results/fast-bf16-cpu/real/results.json: per-token acceptance alpha and each cycle's proposals m)
+combined with these GPU costs by Leviathan et al.'s eq. 1: tokens per cycle (1 - alpha^(m+1)) / (1 - alpha) over
+the cycle's cost (its draft steps * draft step + verify(m) + the loop's own overhead), in units of a target step.
 
 Run on the GPU machine:  python benchmarks/gpu.py --out "$OUT"        (about 4 minutes on an H100)
 Smoke test on a CPU:     python benchmarks/gpu.py --tiny --out /tmp/gpu-smoke
@@ -36,7 +36,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+REAL_TRACES = ROOT / "benchmarks" / "results" / "fast-bf16-cpu" / "real" / "results.json"  # the real preset's run
 sys.path.insert(0, str(ROOT))
+from common import write_manifest  # noqa: E402
+
 from xtokspec.runtime.cache import ModelState  # noqa: E402
 from xtokspec.runtime.compile import COMPILE_BUCKETS, CompiledStep, move_positions, padded_length  # noqa: E402
 from xtokspec.runtime.kv import to_device  # noqa: E402
@@ -300,7 +303,7 @@ def main() -> None:
                         help="the loop's own cost per cycle (bridge, syncs, Python); default: 0 (left out)")
     parser.add_argument("--tree-overhead-ms", type=float, default=None,
                         help="the same for a token tree's cycle (beam, branch bridging, trie); default: --overhead-ms")
-    parser.add_argument("--traces", type=Path, default=ROOT / "benchmarks" / "real" / "results.json",
+    parser.add_argument("--traces", type=Path, default=REAL_TRACES,
                         help="the CPU acceptance traces to predict from (an `xtokspec bench` results.json)")
     parser.add_argument("--costs", type=Path, default=None,
                         help="predict from the pairs of a stored gpu.json instead of measuring (any machine)")
@@ -309,6 +312,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, args.device)
     meta = {"device": args.device, "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "reps": args.reps, "tiny": args.tiny, "buckets": COMPILE_BUCKETS}

@@ -32,7 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu import CONTEXT, REPS, build, predict, shapes, sync, timed  # noqa: E402
+from common import write_manifest  # noqa: E402
+from gpu import CONTEXT, REAL_TRACES, REPS, build, predict, shapes, sync, timed  # noqa: E402
 
 from xtokspec.runtime.cache import ModelState  # noqa: E402
 from xtokspec.runtime.compile import GraphedStep  # noqa: E402
@@ -147,7 +148,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="shrunken shapes (a smoke test on a CPU)")
     parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--pairs", nargs="+", default=["13b", "7b-1b"])
-    parser.add_argument("--traces", type=Path, default=ROOT / "benchmarks" / "real" / "results.json",
+    parser.add_argument("--traces", type=Path, default=REAL_TRACES,
                         help="the CPU acceptance traces to predict from (an `xtokspec bench` results.json)")
     parser.add_argument("--overhead-ms", type=float, default=0.0, help="the loop's own cost per cycle")
     parser.add_argument("--first-generate", action="store_true", help="a user's first and second generate instead")
@@ -157,6 +158,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, args.device)
     if args.first_generate:
         first_generate(args)
         return

@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import write_manifest  # noqa: E402
 from gpu import build, shapes, sync  # noqa: E402
 
 from xtokspec import SpecConfig, XTokSpec  # noqa: E402
@@ -240,6 +241,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, args.device)
     meta = {"device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "pair": args.pair,
             "k": args.k, "tokens": args.tokens, "tiny": args.tiny, "tree_width": args.tree_width,

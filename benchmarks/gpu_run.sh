@@ -91,7 +91,7 @@ case "${1:-1}" in
   ;;
 9)  # what the target's tree-masked verification costs per bucket (8, 16, 32 rows: three more target graphs to
     # compile, ~30 s each at this shape), and the tree predictions from the real pair's CPU traces
-  step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/real-trees-t07/results.json \
+  step 560 gpu13 python3 benchmarks/gpu.py --pairs 13b --traces benchmarks/results/fast-bf16-cpu/real-trees-t07/results.json \
     --out "$OUT/gpu13"
   ;;
 10)  # correctness only (no timings), one pytest process per case in parallel (16 host cores; the fixture models are

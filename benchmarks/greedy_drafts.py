@@ -27,6 +27,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from common import write_manifest
 
 import xtokspec.spec
 from xtokspec import SpecConfig, XTokSpec
@@ -96,6 +97,7 @@ def main() -> None:
     meta = {"preset": args.preset, "target": target, "draft": draft, "temperature": args.temperature,
             "k": args.k, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seeds": args.seeds}
     args.out.mkdir(parents=True, exist_ok=True)
+    write_manifest(args.out)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
 

@@ -8,7 +8,7 @@ mode: healed and `-unhealed`, each with the fallback (what a user gets) and draf
 acceptance of every cycle's draft). Beside bench's tables it writes healing.md: per mode, the paired gain in
 per-token acceptance (pooled over the prompts' cycles, 95% bootstrap interval over prompts).
 
-    python benchmarks/healing.py --out benchmarks/healing-<cpu> [--heldout 10] [--max-new-tokens 64]
+    python benchmarks/healing.py --out benchmarks/results/<hardware>/healing [--heldout 10] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain, save_report
+from common import acceptance_counts, bf16_near_tie_bound, cpu_name, pooled_gain, save_report, write_manifest
 from distill_agreement import held_out_prompts
 
 from xtokspec.cli.bench import REAL_PROMPTS, run_benchmark
@@ -105,6 +105,7 @@ def margins(out: Path, prompts: list[str], new_tokens: int) -> None:
         rows.append(row)
         print(row, flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out)
     (out / "margins.json").write_text(json.dumps({"cpu": cpu_name(), "new_tokens": new_tokens, "rows": rows},
                                                  indent=1, ensure_ascii=False))
 

@@ -12,7 +12,7 @@ number of new tokens, in one process and paired per prompt:
 `--draft-contexts` repeats each system with `SpecConfig(draft_context=n)` (the draft's window of the text, which
 also caps what it prefills of a long prompt). Results: results.json and results.md under --out.
 
-    python benchmarks/long_context.py --lengths 256 1024 4096 --new-tokens 32 256 --out benchmarks/long-context/real-xeon
+    python benchmarks/long_context.py --lengths 256 1024 4096 --new-tokens 32 256 --out benchmarks/results/xeon-amx/long-context/real
     python benchmarks/long_context.py --target gemma-3-270m --drafts bridged-qwen=qwen2.5-coder-0.5b --lengths 1024 4096
 
 Model names are those of benchmarks/real_models.py (converted under xtokspec.cli.presets.real_models_root()).
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, load_real
+from common import cpu_name, load_real, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,6 +170,7 @@ def main() -> None:
 def write(args, rows: list[dict]) -> None:
     """results.json and results.md in `args.out`, for the rows measured so far."""
     args.out.mkdir(parents=True, exist_ok=True)
+    write_manifest(args.out)
     meta = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype, "target": args.target,
             "drafts": args.drafts, "torch": torch.__version__}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, ensure_ascii=False))

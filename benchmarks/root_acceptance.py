@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import write_manifest
 from tqdm.auto import tqdm
 
 from xtokspec import XTokSpec
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--draws", type=int, default=200, help="draws per position for the sampled-m estimates")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/root-acceptance")
+    parser.add_argument("--out", default="benchmarks/results/local/root-acceptance")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.preset == "real" else torch.float32
@@ -121,6 +122,7 @@ def main() -> None:
     keys = [k for k in rows[0] if k not in ("prompt", "position")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_manifest(out_dir)
     path = out_dir / f"root_acceptance-{args.preset}-T{args.temperature}.json"
     path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(f"{args.preset}, T={args.temperature}: {len(rows)} positions of {len(prompts)} prompts ({path})")

@@ -18,7 +18,7 @@ beam, bridged, under the one-hot rule). The chains' rows (`onehot`, `intersectio
 a stand-in for the tree as built (sampled root, the one-hot top-m rule below) are computed the same way, so that they
 can be checked against the loop's measured tokens per call (BENCHMARKS.md, "Token trees across machines").
 
-    python benchmarks/sampled_depth.py benchmarks/root-acceptance/root_acceptance-fixtures-T0.7.json
+    python benchmarks/sampled_depth.py benchmarks/results/machine-independent/root-acceptance/root_acceptance-fixtures-T0.7.json
 
 Prints a Markdown table; with matplotlib installed, writes a plot of predicted tokens per call against nodes
 verified next to the input file.

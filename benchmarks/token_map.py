@@ -1,7 +1,7 @@
 """Token-map coverage of a draft/target pair: what `proposal="intersection"` can move, and what raw-string
 matching (transformers' Universal Assisted Generation sampler) would find instead.
 
-Figures, written to benchmarks/<preset>/token_map.json and printed as Markdown:
+Figures, written to benchmarks/results/local/<preset>/token_map.json and printed as Markdown:
 - share of the draft's regular tokens whose bytes equal some target token's bytes, and the share of the
   target's regular tokens they reach (xtokspec's byte-normalized map);
 - the same two shares for transformers' own AssistantToTargetTranslator (raw vocabulary strings, the
@@ -87,7 +87,8 @@ def main() -> None:
         "draft_mass_on_mapped": {str(t): mapped_mass(d_model, d_tok, ours >= 0, prompts, t) for t in TEMPERATURES},
         "prompts": len(prompts), "new_tokens": NEW_TOKENS,
     }
-    out = Path(__file__).resolve().parent / args.preset / "token_map.json"
+    out = Path(__file__).resolve().parent / "results" / "local" / args.preset / "token_map.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1, ensure_ascii=False) + "\n")
     f = figures
     print(f"| figure | {args.preset} |\n|---|---|")

@@ -10,7 +10,7 @@ the nodes (a CPU) that bound is what no cheaper verification can beat; on a GPU,
 cost what a chain's does, it is not a bound. Runs mixing drafted and target-alone cycles (the fallback) are
 skipped: their per-call costs are not a drafted cycle's.
 
-    python benchmarks/tree_bound.py benchmarks/fixtures-xeon-avx512bf16/results.json [--mode T=0.7]
+    python benchmarks/tree_bound.py benchmarks/results/xeon-avx512bf16/fixtures-trees/results.json [--mode T=0.7]
 
 Figures: BENCHMARKS.md, "Token trees across machines".
 """

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import write_manifest
 from transformers import AutoModelForCausalLM
 
 from xtokspec.cli.presets import real_model_dir, real_models_root
@@ -126,6 +127,7 @@ def main() -> None:
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, args.device)
     (out / "tree_cost.md").write_text(report + "\n", encoding="utf-8")
     (out / "tree_cost.json").write_text(json.dumps(
         {"model": str(path), "dtype": args.dtype, "cpu_linears": args.cpu_linears, "device": where,

@@ -1,4 +1,4 @@
-"""vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy.
+"""vLLM with xtokspec's proposer against vLLM's own ways to speculate, in one process, greedy (or sampled: --temperature).
 
     python benchmarks/vllm_bench.py [--preset fixtures|real] [--k 3] [--new-tokens 64] [--prompts 16]
                                     [--batches 1,4,8] [--rounds 3] [--systems alone,b,...]
@@ -63,10 +63,14 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OM
 
 
 def real(name: str) -> str:
-    """A real model's converted folder (benchmarks/real_models.py)."""
-    from real_models import real_model_dir
+    """A real model's converted folder (benchmarks/real_models.py); one not fetched yet is named by where it would
+    be (a system that uses it then fails at its build, naming the folder; the others run)."""
+    from real_models import MissingModelError, cache_root, real_model_dir
 
-    return str(real_model_dir(name))
+    try:
+        return str(real_model_dir(name))
+    except MissingModelError:
+        return str(cache_root(None) / name)
 
 
 def preset(name: str, k: int) -> dict:
@@ -145,14 +149,18 @@ def spec_counts() -> tuple[int, int]:
             int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
-def run_batches(llm, batches: list[list[str]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds for all batches (each one `generate` call) and the token ids of every request."""
+def run_batches(llm, batches: list[list[str]], new_tokens: int, temperature: float = 0.0,
+                first_seed: int = 0) -> tuple[float, list[list[int]]]:
+    """Seconds for all batches (each one `generate` call) and the token ids of every request; `temperature` > 0:
+    sampled, request n seeded with first_seed + n (the same seeds for every system)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=False)
     outputs = []
     t0 = time.perf_counter()
     for batch in batches:
+        params = [SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=False,
+                                 seed=first_seed + len(outputs) + n if temperature else None)
+                  for n in range(len(batch))]
         outputs += [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
     return time.perf_counter() - t0, outputs
 
@@ -169,7 +177,7 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
               max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **extra)
     proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
     run_batches(llm, [prompts[:1]], 4)  # the process's first forwards, for every system alike
-    seconds, outputs = run_batches(llm, [warm], args.new_tokens)  # the first requests: nothing learned yet
+    seconds, outputs = run_batches(llm, [warm], args.new_tokens, args.temperature, 10_000)  # nothing learned yet
     result = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
     for batch in args.batches:
         batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -177,7 +185,7 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
         stats0 = dataclasses.replace(proposers[-1].stats) if proposers else None
         times, outputs = [], []
         for one in batches:
-            seconds, out = run_batches(llm, [one], args.new_tokens)
+            seconds, out = run_batches(llm, [one], args.new_tokens, args.temperature, len(outputs))
             times.append(seconds)
             outputs += out
         after = spec_counts()
@@ -193,7 +201,7 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
         result[f"batch{batch}"] = row
         print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
               f"{row['drafted']}/{row['accepted']}", flush=True)
-    if check:
+    if check and not args.temperature:
         result["sanity"] = sanity(chosen["target"], chosen["dtype"], prompts[:2],
                                   result[f"batch{args.batches[0]}"]["outputs"][:2])
     del llm
@@ -351,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8],
                         help="batch sizes, comma-separated (requests submitted together)")
     parser.add_argument("--rounds", type=int, default=3, help="engine builds per system, in alternating order")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, request n of the "
+                        "timed prompts seeded with n (outputs then differ from the target alone's by chance only "
+                        "where drafts are rejected; 'identical' counts the same ids anyway)")
     parser.add_argument("--systems", help="comma-separated, alone first (default: all of the preset's)")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
@@ -383,7 +394,8 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs, {threads} thread(s) bound to "
               f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), "
-              f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, greedy, K={args.k}, "
+              f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, "
+              f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
               f"{args.rounds} rounds of engine builds in alternating order (ABBA), cold start: {len(warm)} other "
               "prompts in one batch on a fresh engine")

@@ -258,7 +258,8 @@ def test_seed_help_states_when_a_sample_repeats(capsys):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "same seed, same output" not in out
-    assert "The same seed gives the same output when the drafted cycles are the same, as with --fixed-k" in out
+    assert "Without it, the same seed gives the same output when the drafted cycles are the same, as with --fixed-k" in out
+    assert "With --keyed the same seed gives the same text whatever the draft" in out
 
 
 @pytest.mark.fallback  # NOTE: the real fallback policy, which adaptive=False turns off
@@ -323,9 +324,10 @@ def test_cli_and_api_give_the_same_text(capsys):
 def test_compare_runs_the_target_alone_and_prints_the_speedup(capsys):
     from xtokspec.cli.main import main
 
-    assert main(["generate", "表計算ドキュメントのセル範囲は、", "--max-new-tokens", "16", "--compare"]) == 0
+    assert main(["generate", "表計算ドキュメントのセル範囲は、", "--max-new-tokens", "16", "--compare", "--compare-runs", "2"]) == 0
     err = capsys.readouterr().err
-    assert "[xtokspec] target alone:" in err and "x" in err.split("target alone:")[1]
+    line = next(line for line in err.splitlines() if "xtokspec / the target alone:" in line)
+    assert "median of 2 pairs" in line and "neither side pays" in line
     assert "the same output" in err  # greedy: the target's own text
 
 

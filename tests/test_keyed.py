@@ -161,3 +161,20 @@ def test_keyed_needs_sampling():
         SamplingParams(keyed=True)
     with pytest.raises(XTokSpecError, match="keyed must be True or False"):
         SamplingParams(do_sample=True, keyed=1)
+
+
+@pytest.mark.slow
+def test_the_command_line_keyed_sample_is_the_same_with_chains_trees_and_the_fallback(capsys, ja_target):
+    """`xtokspec generate --keyed --seed 3`: the same text with a fixed K of 1, a tree of width 3 and the default
+    adaptive K with the fallback (float32); --keyed implies --sample."""
+    from xtokspec.cli.main import main
+
+    args = ["generate", "dirp が相対パスで dirfd が特別な値", "--max-new-tokens", "24", "--dtype", "float32",
+            "--keyed", "--seed", "3", "--temperature", "0.9"]
+    texts = []
+    for extra in (["--fixed-k", "--num-draft-tokens", "1"], ["--tree-width", "3"], []):
+        assert main([*args, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0].strip() and texts[0] == texts[1] == texts[2]
+    assert main(["generate", "x", "--keyed", "--temperature", "0"]) == 2
+    assert "--keyed is a way of sampling" in capsys.readouterr().err

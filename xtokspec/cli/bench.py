@@ -19,6 +19,7 @@ from ..options import compile_choice
 from ..runtime.kv import input_device
 from ..runtime.models import CPU_LINEARS, eos_ids, fixtures_dir
 from ..types import SpecConfig, XTokSpecError
+from .common import write_manifest
 from .presets import (
     Counter,
     Models,
@@ -297,7 +298,8 @@ def main_bench(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(models.target[0].device), "command": "xtokspec " + " ".join(args.argv)}
     print(write_report(out, meta, runs))
-    print(f"\nwritten: {out}/results.json, table.md, speedup*.png")
+    write_manifest(out, meta["command"], meta["device"], threads=meta["threads"])
+    print(f"\nwritten: {out}/results.json, table.md, speedup*.png, manifest.json")
     return 0
 
 
@@ -341,7 +343,7 @@ def add_bench_parser(sub) -> None:
                             "outputs on prompts like yours)")
     bench.add_argument("--systems", nargs="*", default=[], metavar="NAME",
                        help="run only these systems (and the target alone); default: all")
-    bench.add_argument("--out", default="benchmarks")
+    bench.add_argument("--out", default="benchmarks/results/local")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--report-only", action="store_true",
                        help="rebuild the tables and plots from OUT/PRESET/results.json without running anything")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
 
 from .. import __version__
 from ..options import compile_choice
@@ -60,6 +64,8 @@ def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
     given = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p") if getattr(args, name) is not None]
     if args.sample:
         return True, []
+    if args.keyed and not given and args.temperature != 0:
+        return True, ["--keyed implies --sample"]
     if args.temperature == 0:
         return False, ["temperature 0: greedy decoding"]
     if given:
@@ -68,8 +74,11 @@ def _sampling(args: argparse.Namespace) -> tuple[bool | None, list[str]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # NOTE: before this process adds its own
     # Everything that can be checked without the models is checked first (loading takes seconds).
     prompt = _read_prompt(args)
+    if args.compare_runs < 1:
+        raise XTokSpecError(f"--compare-runs must be a positive integer, got {args.compare_runs}")
     check_prompt(prompt)
     if args.max_new_tokens <= 0:
         raise XTokSpecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
@@ -77,7 +86,10 @@ def _generate(args: argparse.Namespace) -> int:
     calibration = _calibration(args)
     if do_sample:
         SamplingParams(do_sample=True, temperature=1.0 if args.temperature is None else args.temperature,
-                       top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed)
+                       top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+                       keyed=args.keyed)
+    elif args.keyed:
+        raise XTokSpecError("--keyed is a way of sampling: it does not go with greedy decoding (--temperature 0)")
     if args.cpu_linears == "onednn" and (args.dtype != "float32" or args.compile in (True, "inductor", "graphs")):
         raise XTokSpecError("--cpu-linears onednn needs --dtype float32 and no --compile (oneDNN's packed float32 "
                             "linears on the CPU)")
@@ -107,7 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         counts = [onednn_linears(model) for model in (spec.target_model, spec.draft_model)]
         print(f"[xtokspec] oneDNN linears: {counts[0]} in the target, {counts[1]} in the draft", file=sys.stderr)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed,
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample, seed=args.seed, keyed=args.keyed,
                   temperature=None if do_sample is False else args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.chat:  # the prompt as one user message, rendered with the target's chat template
         prompt, kwargs["messages"] = None, [{"role": "user", "content": prompt}]
@@ -129,15 +141,56 @@ def _generate(args: argparse.Namespace) -> int:
         kind += " (" + ", ".join(f"{k} {n}" for k, n in sorted(stats.proposal_cycles.items())) + " cycles)"
     print(f"[xtokspec] {kind}: {stats.summary()}; stopped: {_STOPPED[stats.stop_reason]}", file=sys.stderr)
     if args.compare:
-        _compare(spec, prompt, kwargs, stats, text)
+        _compare(spec, prompt, kwargs, text, args.compare_runs, load)
     return 0
 
 
-def _compare(spec, prompt, kwargs: dict, stats, text: str) -> None:
-    """--compare: the same prompt through the target alone (transformers' generate, the same sampling settings),
-    then the speed-up and, when greedy, whether the two outputs are the same text."""
-    import time
+WIDE_SPREAD = 0.10  # --compare notes a spread of ratios wider than this: interquartile range over the median
+BUSY_MARGIN = 0.5  # --compare notes other work when it and this process's threads want this many CPUs more than exist
 
+
+def time_sides(ours: Callable[[], int], alone: Callable[[], int], runs: int,
+               clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float]]:
+    """Tokens per second of each side over `runs` pairs of runs, after one untimed run of `alone` (xtokspec's
+    first run is the one whose text was printed, also untimed). Pairs alternate which side goes first (xtokspec
+    first in even pairs), so that a drift of the machine's speed hits both alike. Each side returns its tokens."""
+    alone()  # warm-up: the target alone's first forwards in this process
+    ours_tps, alone_tps = [], []
+    for pair in range(runs):
+        for side in ((ours, alone) if pair % 2 == 0 else (alone, ours)):
+            start = clock()
+            tokens = side()
+            rate = tokens / max(clock() - start, 1e-9)
+            (ours_tps if side is ours else alone_tps).append(rate)
+    return ours_tps, alone_tps
+
+
+def compare_report(ours_tps: list[float], alone_tps: list[float], threads: int, load: float | None,
+                   cpus: int) -> list[str]:
+    """--compare's lines: the median of the pairs' ratios (xtokspec over the target alone) with its interquartile
+    range, then a note where that range is wide (> WIDE_SPREAD of the median) and one where other work competes
+    for the CPUs (the 1-minute load average when the command started plus this process's torch threads exceed
+    the machine's CPUs by more than BUSY_MARGIN)."""
+    ratios = sorted(o / a for o, a in zip(ours_tps, alone_tps, strict=True))
+    median = statistics.median(ratios)
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (median,) * 3
+    lines = [f"xtokspec / the target alone: {median:.2f}x, the median of {len(ratios)} pairs of alternating runs "
+             f"(IQR {low:.2f}-{high:.2f}x; {statistics.median(ours_tps):.1f} against {statistics.median(alone_tps):.1f} "
+             f"tokens/s); {threads} torch thread{'s' if threads != 1 else ''} both sides; neither side pays the "
+             "process's first forwards (each side's first run is not timed)"]
+    if (high - low) > WIDE_SPREAD * median:
+        lines.append(f"note: the runs spread widely (IQR {(high - low) / median:.0%} of the median): read the "
+                     "ratio as rough; --compare-runs takes more pairs")
+    if load is not None and load + threads > cpus + BUSY_MARGIN:
+        lines.append(f"note: the machine is busy: load average {load:.1f} before this command, plus {threads} torch "
+                     f"thread{'s' if threads != 1 else ''} here, on {cpus} CPUs: the timings include waiting for them")
+    return lines
+
+
+def _compare(spec, prompt, kwargs: dict, text: str, runs: int, load: float | None) -> None:
+    """--compare: the prompt through the target alone (transformers' generate, the same sampling settings) and
+    through xtokspec again, alternating, in this process; prints the speed-up and, greedy, whether the target
+    alone wrote the printed text."""
     import torch
 
     model, tokenizer = spec.target_model, spec.target_tokenizer
@@ -150,19 +203,27 @@ def _compare(spec, prompt, kwargs: dict, stats, text: str) -> None:
     params = spec.sampling_params(kwargs["do_sample"], kwargs["temperature"], kwargs["top_k"], kwargs["top_p"])
     options = dict(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p) \
         if params.do_sample else dict(do_sample=False)
-    if kwargs.get("seed") is not None:
-        torch.manual_seed(kwargs["seed"])
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=kwargs["max_new_tokens"], **options)
-        seconds = time.perf_counter() - start
-    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-    alone, ours = len(ids) / seconds, stats.new_tokens / max(stats.wall_seconds, 1e-9)
-    line = f"[xtokspec] target alone: {alone:.1f} tokens/s; xtokspec {ours:.1f} tokens/s = {ours / alone:.2f}x"
+    first_alone: list[list[int]] = []
+
+    def alone() -> int:
+        if kwargs.get("seed") is not None:
+            torch.manual_seed(kwargs["seed"])
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=kwargs["max_new_tokens"], **options)
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        first_alone.append(ids)
+        return len(ids)
+
+    def ours() -> int:
+        return spec.generate(prompt, **kwargs).stats.new_tokens
+
+    threads = torch.get_num_threads()  # NOTE: one process, so both sides run with these threads
+    lines = compare_report(*time_sides(ours, alone, runs), threads, load, os.cpu_count() or 1)
     if not params.do_sample:
-        same = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
-        line += "; the same output" if same else "; outputs differ (a floating-point near-tie: see docs/how-it-works.md)"
-    print(line, file=sys.stderr)
+        same = tokenizer.decode(first_alone[0], skip_special_tokens=True, clean_up_tokenization_spaces=False) == text
+        lines[0] += "; the same output" if same else "; outputs differ (a floating-point near-tie: see docs/how-it-works.md)"
+    for line in lines:
+        print(f"[xtokspec] {line}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue a prompt with speculative decoding; the output is the target's own (greedy: token "
         "for token; sampling: the same distribution). Prints the continuation, then the models and statistics "
         "on stderr.",
+        epilog="example, with the bundled models (a tiny target: it writes sensible text on some prompts and "
+        "loops on others): xtokspec generate 'dirp が相対パスで dirfd が特別な値' --compare",
     )
     gen.add_argument("prompt", nargs="?", default=None, help="text to continue; '-' reads it from stdin")
     gen.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file (for long prompts)")
@@ -194,10 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None,
                      help="nucleus sampling mass in (0, 1]; 1 disables (default: the target's generation_config, else 1.0)")
     gen.add_argument("--seed", type=int, default=None,
-                     help="seed for sampling. The same seed gives the same output when the drafted cycles are the "
-                     "same, as with --fixed-k (fixed K, no fallback); with adaptive K and the fallback, measured "
-                     "timings choose K and the target-alone cycles, so the text can differ, while its "
-                     "distribution is always the target's")
+                     help="seed for sampling. With --keyed the same seed gives the same text whatever the draft "
+                     "and the settings (the target alone's keyed sample). Without it, the same seed gives the same "
+                     "output when the drafted cycles are the same, as with --fixed-k (fixed K, no fallback); with "
+                     "adaptive K and the fallback, measured timings choose K and the target-alone cycles, so the "
+                     "text can differ, while its distribution is always the target's")
+    gen.add_argument("--keyed", action="store_true",
+                     help="sample each position's token as a fixed function of --seed, the position and the "
+                     "target's distribution (implies --sample): the text is the target alone's with that seed, "
+                     "whatever is drafted (docs/how-it-works.md)")
     gen.add_argument("--proposal", choices=("auto", "onehot", "intersection"), default="auto",
                      help="how a cross-tokenizer draft proposes when sampling (see docs/how-it-works.md)")
     gen.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
@@ -238,8 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="UTF-8 text in the domain you will generate, one document per line (for --draft-vocab)")
     gen.add_argument("--stream", action="store_true", help="print text as soon as it is verified")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the target alone on the prompt and print the speed-up (and, greedy, whether "
-                     "the outputs are the same)")
+                     help="also time the target alone (transformers' generate) against xtokspec on the prompt, "
+                     "alternating, after an untimed first run of each, and print the median speed-up with its spread "
+                     "(and, greedy, whether the outputs are the same)")
+    gen.add_argument("--compare-runs", type=int, default=5, metavar="N",
+                     help="--compare: timed runs of each side")
     gen.add_argument("--chat", action="store_true",
                      help="send the prompt as one user message through the target's chat template")
     gen.set_defaults(func=_generate)
@@ -259,7 +330,8 @@ _BENCH_HELP = {  # the help of the bench options that bench.add_bench_parser lea
     "prompts": "how many prompts: the first N of the preset's (fixtures/data/prompts.txt, or the real preset's 6)",
     "max_new_tokens": "most tokens each system adds to each prompt (target tokens)",
     "dtype": "weights' dtype for every model",
-    "out": "folder of the report: OUT/PRESET/results.json, table.md and the speedup plots",
+    "out": "folder of the report: OUT/PRESET/results.json, table.md, the speedup plots and manifest.json (commit, "
+    "machine, versions, command, date)",
     "no_progress": "no progress bar",
 }
 
