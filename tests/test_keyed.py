@@ -178,3 +178,21 @@ def test_the_command_line_keyed_sample_is_the_same_with_chains_trees_and_the_fal
     assert texts[0].strip() and texts[0] == texts[1] == texts[2]
     assert main(["generate", "x", "--keyed", "--temperature", "0"]) == 2
     assert "--keyed is a way of sampling" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_stream_and_custom_generate_give_the_keyed_text(bridged_spec, heldout_prompts):
+    """The target alone's keyed sample through `generate`, through `stream` with a draft (its pieces joined) and
+    through the target's own `generate` with `custom_generate=spec.custom_generate` (its ids)."""
+    prompt, setting = heldout_prompts[0], dict(temperature=0.7, top_p=0.9, top_k=50)
+    alone = bridged_spec.generate(prompt, max_new_tokens=24, do_sample=True, keyed=True, seed=0, alone=True,
+                                  **setting)
+    streamed = "".join(bridged_spec.stream(prompt, max_new_tokens=24, do_sample=True, keyed=True, seed=0,
+                                           num_draft_tokens=2, adaptive=False, **setting))
+    assert alone.token_ids and streamed == alone.text
+    model, tokenizer = bridged_spec.target_model, bridged_spec.target_tokenizer
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=True, keyed=True, seed=0, **setting,
+                             custom_generate=bridged_spec.custom_generate)
+    assert out[0, inputs["input_ids"].shape[1]:].tolist() == alone.token_ids
