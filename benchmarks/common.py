@@ -83,3 +83,22 @@ def write_manifest(out: Path, device: str | None = None, argv: list[str] | None 
     script = Path(sys.argv[0]).name
     words = sys.argv[1:] if argv is None else argv
     return write(Path(out), "python " + shlex.join([f"benchmarks/{script}", *words]), device, **extra)
+
+
+def lower_bound(ratios: list[float], seed: int = 0) -> float:
+    """One-sided 95% bootstrap lower bound of the median of `ratios` (percentile method, fixed rng)."""
+    import numpy as np
+    from scipy import stats
+
+    if len(ratios) < 2:
+        return float("nan")
+    if len(set(ratios)) == 1:
+        return ratios[0]  # every resample has this median
+    data = (np.asarray(ratios, dtype=float),)
+    try:
+        result = stats.bootstrap(data, np.median, confidence_level=0.95, alternative="greater",
+                                 method="percentile", n_resamples=9999, rng=np.random.default_rng(seed))
+    except TypeError:  # scipy before 1.15 (no rng) or 1.12 (no alternative): the two-sided 90% interval's low end
+        result = stats.bootstrap(data, np.median, confidence_level=0.90, method="percentile",
+                                 n_resamples=9999, random_state=np.random.default_rng(seed))
+    return float(result.confidence_interval.low)

@@ -47,7 +47,7 @@ import time
 import traceback
 from pathlib import Path
 
-from common import cpu_name, write_manifest
+from common import cpu_name, lower_bound, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("bridged", "same")
@@ -255,25 +255,6 @@ def git_describe(tree: Path) -> str:
         return "not a git checkout"
     dirty = git("status", "--porcelain", "--", "xtokspec")
     return commit + (" + uncommitted changes in xtokspec/" if dirty else "")
-
-
-def lower_bound(ratios: list[float], seed: int = 0) -> float:
-    """One-sided 95% bootstrap lower bound of the median of `ratios` (percentile method, fixed rng)."""
-    import numpy as np
-    from scipy import stats
-
-    if len(ratios) < 2:
-        return float("nan")
-    if len(set(ratios)) == 1:
-        return ratios[0]  # every resample has this median
-    data = (np.asarray(ratios, dtype=float),)
-    try:
-        result = stats.bootstrap(data, np.median, confidence_level=0.95, alternative="greater",
-                                 method="percentile", n_resamples=9999, rng=np.random.default_rng(seed))
-    except TypeError:  # scipy before 1.15 (no rng) or 1.12 (no alternative): the two-sided 90% interval's low end
-        result = stats.bootstrap(data, np.median, confidence_level=0.90, method="percentile",
-                                 n_resamples=9999, random_state=np.random.default_rng(seed))
-    return float(result.confidence_interval.low)
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -42,17 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def lower_bound(ratios: list[float]) -> float:
-    import numpy as np
-    from scipy import stats
-
-    if len(set(ratios)) < 2:
-        return min(ratios)
-    result = stats.bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, alternative="greater",
-                             method="percentile", n_resamples=9999, rng=np.random.default_rng(0))
-    return float(result.confidence_interval.low)
-
-
 def load(preset: str):
     import torch
 
@@ -90,7 +79,7 @@ def main() -> None:
     args = build_parser().parse_args()
     fixed = {} if args.fixed_k is None else {"num_draft_tokens": args.fixed_k, "adaptive": False}
     import torch
-    from common import cpu_name, write_manifest
+    from common import cpu_name, lower_bound, write_manifest
 
     torch.set_num_threads(1)
     if args.out:

@@ -54,7 +54,7 @@ import time
 import weakref
 from pathlib import Path
 
-from common import cpu_name, write_manifest
+from common import cpu_name, lower_bound, write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "fixtures" / "models"
@@ -207,18 +207,6 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
     del llm
     gc.collect()
     return result
-
-
-def lower_bound(ratios: list[float]) -> float:
-    """One-sided 95% bootstrap lower bound of the median of paired ratios (percentile method, fixed rng)."""
-    import numpy as np
-    from scipy import stats
-
-    if len(set(ratios)) < 2:
-        return min(ratios)
-    result = stats.bootstrap((np.asarray(ratios),), np.median, confidence_level=0.95, alternative="greater",
-                             method="percentile", n_resamples=9999, rng=np.random.default_rng(0))
-    return float(result.confidence_interval.low)
 
 
 def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
