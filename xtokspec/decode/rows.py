@@ -61,11 +61,28 @@ class LinearCosts:
     def __init__(self, features: int):
         self.features = features
         self.times: dict[tuple, collections.deque] = {}
+        # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
+        # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
+        # instead of taking every size's median again
+        self.points: dict[tuple, tuple[np.ndarray, float, int]] = {}  # size -> ((1, *size), median, count)
+        self.gram = np.zeros((features + 1, features + 1))  # sum of count * x x^T
+        self.moment = np.zeros(features + 1)  # sum of count * median * x
         self.coef: np.ndarray | None = None
 
     def observe(self, size: tuple, seconds: float) -> None:
-        self.times.setdefault(tuple(size), collections.deque(maxlen=self.SAMPLES)).append(seconds)
+        size = tuple(size)
+        samples = self.times.setdefault(size, collections.deque(maxlen=self.SAMPLES))
+        samples.append(seconds)
+        if size in self.points:
+            self._add(*self.points[size], sign=-1.0)
+        x = np.array([1.0, *size])
+        self.points[size] = x, statistics.median(samples), len(samples)
+        self._add(*self.points[size])
         self.coef = None
+
+    def _add(self, x: np.ndarray, median: float, count: int, sign: float = 1.0) -> None:
+        self.gram += sign * count * np.outer(x, x)
+        self.moment += sign * count * median * x
 
     def seen(self, where) -> bool:
         """Whether a size for which `where(size)` holds has been measured."""
@@ -79,22 +96,22 @@ class LinearCosts:
         return max(0.0, float(self.coef @ np.array([1.0, *size])))
 
     def _fit(self) -> np.ndarray:
-        keys = list(self.times)
-        x = np.array([[1.0, *k] for k in keys])
-        y = np.array([statistics.median(self.times[k]) for k in keys])
-        w = np.array([len(self.times[k]) for k in keys], dtype=float)
+        """The normal equations of the weighted fit (the ridge on the free slopes only); a negative slope is
+        held at 0 and the rest refitted without it."""
         free = list(range(1, self.features + 1))
+        ridge = self.RIDGE * np.diag([0.0] + [1.0] * self.features)
         while True:
-            rows = np.sqrt(w)[:, None] * x
-            ridge = np.sqrt(self.RIDGE) * np.eye(self.features + 1)[free]  # only the slopes still free
-            coef, *_ = np.linalg.lstsq(np.vstack([rows, ridge]), np.concatenate([np.sqrt(w) * y, np.zeros(len(free))]),
-                                       rcond=None)
+            kept = [0, *free]
+            system = (self.gram + ridge)[np.ix_(kept, kept)] if len(free) < self.features else self.gram + ridge
+            coef = np.zeros(self.features + 1)
+            try:
+                coef[kept] = np.linalg.solve(system, self.moment[kept])
+            except np.linalg.LinAlgError:  # singular (sums drifted by cancellation): the least-squares answer
+                coef[kept] = np.linalg.lstsq(system, self.moment[kept], rcond=None)[0]
             negative = [j for j in free if coef[j] < 0]
             if not negative:
                 return coef
-            free = [j for j in free if j not in negative]  # held at 0: the others refitted without it
-            x = x.copy()
-            x[:, negative] = 0.0
+            free = [j for j in free if j not in negative]
 
 
 @dataclass

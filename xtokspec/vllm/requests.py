@@ -55,8 +55,12 @@ class RequestTable:
         for r, row in enumerate(rows):
             if row is None:
                 continue
-            for n in range(len(row), max(0, len(row) - self.max_new - 1), -1):
-                for e in self.index.get(key(row, n), ()):
+            length = len(row)
+            low = max(0, length - self.max_new - 1)
+            offset = max(0, low - 3)
+            tail = row[offset:length].tolist()  # the ids all its keys are made of (`key`), out of numpy once
+            for n in range(length, low, -1):
+                for e in self.index.get((n, *tail[max(0, n - 4) - offset : n - offset]), ()):
                     self.comparisons += 1
                     if np.array_equal(row[:n], e.ids):
                         pairs.append((-n, e.number, r, e))
