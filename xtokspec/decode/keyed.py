@@ -5,8 +5,8 @@ Sampling is the exponential race (`sampling.race`): y = argmax_v p(v) / E(v) wit
 which draws v with probability p(v). Here E is not drawn from a generator but computed: E(v) = -log U(v), with U
 a counter-based hash of (seed, position, v) mapped into (0, 1) — 24 random bits, strictly inside the interval, so
 E is strictly positive and finite (a zero would give p / 0, which argmax could pick). The hash is integer
-arithmetic on int64 tensors that never overflows (32-bit values, products split in 16-bit halves), so the same
-bits come out on any device.
+arithmetic on int64 tensors holding 32-bit values (a product's low 32 bits, whether or not the product wrapped
+around), so the same bits come out on any device.
 
 Verifying a one-hot proposal x at a position under this rule: accept iff x equals that position's keyed sample y;
 on a rejection y itself is emitted. Acceptance then happens with probability p(x), as in the usual one-hot rule,
@@ -25,19 +25,18 @@ SEED_SALT, POSITION_MUL, TOKEN_MUL = 0x9E3779B9, 0x27D4EB2F, 0x165667B1
 
 
 def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32) and c < 2^32, with no intermediate above 2^49 (in place on a
-    copy: the caller's tensor is left as it was)."""
-    hi = x >> 16
-    lo = x & 0xFFFF
-    return hi.mul_(c).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(lo.mul_(c)).bitwise_and_(MASK)
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) and c < 2^32 (a new tensor). The product may pass 2^63 and wrap
+    around in int64, as integer multiplication does on CPUs and GPUs (two's complement, the low 64 bits kept): its
+    low 32 bits are the same either way, and they are all that is kept."""
+    return (x * c).bitwise_and_(MASK)
 
 
 def fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finaliser (every input bit moves every output bit)."""
     h = h ^ (h >> 16)
-    h = mul32(h, 0x85EBCA6B)
+    h.mul_(0x85EBCA6B).bitwise_and_(MASK)  # in place on the copy above (see mul32)
     h.bitwise_xor_(h >> 13)
-    h = mul32(h, 0xC2B2AE35)
+    h.mul_(0xC2B2AE35).bitwise_and_(MASK)
     return h.bitwise_xor_(h >> 16)
 
 
