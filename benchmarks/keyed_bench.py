@@ -6,11 +6,12 @@
 
 Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)` on one XTokSpec with the
 library's defaults (adaptive K, the fallback, healing): `onehot` (proposal="onehot", the residual rule), `auto`
-(proposal="auto", today's default for sampled chains across tokenizers), `keyed` (keyed=True: one-hot proposals
-accepted iff they equal the target's keyed sample). Every prompt runs every system in each round, in an order
+(proposal="auto", the default for sampled chains across tokenizers), `keyed` (keyed=True with the default
+proposal="auto": proposals accepted iff they equal the target's keyed sample, intersection draws coupled to its
+noise), `keyed_onehot` (keyed=True, proposal="onehot"). Every prompt runs every system in each round, in an order
 that alternates by prompt and round (ABC, CBA, ...), after one warm-up generation per system; a system's time for
-a prompt is its median over rounds. Ratios are paired per prompt: keyed / onehot and keyed / auto, the median
-and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed noise's own cost per
+a prompt is its median over rounds. Ratios are paired per prompt: keyed / onehot, keyed / auto and keyed_onehot /
+onehot, the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed noise's own cost per
 cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
 """
 
@@ -26,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SYSTEMS = {"onehot": dict(proposal="onehot"), "auto": dict(proposal="auto"), "keyed": dict(keyed=True)}
+SYSTEMS = {"onehot": dict(proposal="onehot"), "auto": dict(proposal="auto"), "keyed": dict(keyed=True),
+           "keyed_onehot": dict(keyed=True, proposal="onehot")}
+PAIRS = [("keyed", "onehot"), ("keyed", "auto"), ("keyed_onehot", "onehot")]  # (numerator, denominator)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,10 +112,10 @@ def main() -> None:
         summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
                          "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
     pairs = {}
-    for other in ("onehot", "auto"):
+    for name, other in PAIRS:
         ratios = [k["tokens_per_s"] / o["tokens_per_s"]
-                  for k, o in zip(summary["keyed"]["per_prompt"], summary[other]["per_prompt"], strict=True)]
-        pairs[f"keyed/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
+                  for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
+        pairs[f"{name}/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
     vocab = spec.target_model.config.vocab_size
     costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab), "noise_s_5_rows_151936": noise_cost(151936)}
     header = (f"keyed sampler ({cpu_name()}, 1 torch thread), {args.preset} pair, T={args.temperature}, "

@@ -28,7 +28,14 @@ from reference.exact import (
     speculative_generate,
     truncate_at_eos,
 )
-from reference.keyed import keyed_noise, keyed_sample, keyed_uniforms, keyed_verify
+from reference.keyed import (
+    coupled_match_law,
+    coupling_bound,
+    keyed_noise,
+    keyed_sample,
+    keyed_uniforms,
+    keyed_verify,
+)
 from reference.processing import greedy, process_logits
 from reference.rejection import (
     UNMAPPED,
@@ -40,6 +47,8 @@ from reference.rejection import (
 )
 
 __all__ = [
+    "coupled_match_law",
+    "coupling_bound",
     "keyed_noise",
     "keyed_sample",
     "keyed_uniforms",

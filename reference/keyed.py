@@ -26,6 +26,14 @@ Proof sketch.
    accepted with the sum of their p, as in the one-hot trie walk.
 4. What is not kept: a proposal drawn from a distribution q apart from the noise is accepted with sum_v q(v)
    p(v), not the rejection rule's sum_v min(p(v), q(v)).
+5. The coupled draw (Daliri et al.). A draft whose distribution q is on the target's ids (the intersection map)
+   draws x = argmax_v q(v) / E(v) with the same position's noise. Both races pick v iff, for every u != v,
+   E(u) >= E(v) m_u with m_u = max(p(u) / p(v), q(u) / q(v)); given E(v) = e this has probability
+   prod_u exp(-e m_u), and integrating against e^-e gives P(x = y = v) = 1 / sum_u m_u (m_v = 1): the
+   law `coupled_match_law` computes. Its sum, the chance of acceptance, is at least (1 - TV) / (1 + TV) with TV
+   the total variation between p and q (Daliri et al., "Coupling without communication"), where item 4's draw
+   gets sum_v q(v) p(v). x stays a draw from q (the race of item 1 on q), and item 2 does not depend on how the
+   proposal was chosen: the text is still the target alone's.
 """
 
 from __future__ import annotations
@@ -78,3 +86,20 @@ def keyed_verify(p_rows: np.ndarray, proposals: list[int], seed: int, first: int
         if x != y:
             return i, y
     return len(proposals), keyed_sample(p_rows[len(proposals)], seed, first + len(proposals))
+
+
+def coupled_match_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Two races on one position's noise, over p and over q (V,) -> (V + 1,): P(both pick v) for each v (item 5),
+    then P(they differ)."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    law = np.zeros(len(p) + 1)
+    for v in np.flatnonzero((p > 0) & (q > 0)):
+        law[v] = 1.0 / np.maximum(p / p[v], q / q[v]).sum()
+    law[-1] = 1.0 - law[:-1].sum()
+    return law
+
+
+def coupling_bound(p: np.ndarray, q: np.ndarray) -> float:
+    """(1 - TV) / (1 + TV): Daliri et al.'s lower bound on the coupled draws' chance of matching."""
+    tv = 0.5 * float(np.abs(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64)).sum())
+    return (1.0 - tv) / (1.0 + tv)

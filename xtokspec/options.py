@@ -109,11 +109,8 @@ def proposal_kind(same_vocab: bool, params: SamplingParams, proposal: str, tree_
                 "proposal='intersection' needs tree_width=1 (or use proposal='auto' / 'onehot')"
             )
         return ProposalKind.ONEHOT
-    if params.keyed and asked is ProposalKind.AUTO:
-        # the keyed sampler accepts a proposal iff it is the target's keyed sample: a one-hot proposal of the
-        # draft's likeliest token is accepted with p(x), as under the usual rule, while an intersection proposal
-        # drawn apart from the target's noise loses what the rejection rule gave it (sum min(p, q))
-        return ProposalKind.ONEHOT
+    # NOTE: under the keyed sampler too: its intersection draws are coupled to the target's keyed samples
+    # (decode/keyed.py, Coupling), which keeps most of what the rejection rule accepts (sum min(p, q))
     return asked
 
 

@@ -150,3 +150,27 @@ def test_speculative_generate_is_reproducible_and_validates():
         speculative_generate(target, draft, [1], 3, 2, rng, proposal="intersection")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_generate(target, draft, [1], 3, 0, rng)
+
+
+def test_the_coupled_match_law_is_a_coupling_and_meets_its_bound():
+    """reference/keyed.py, item 5: each P(both pick v) is at most min(p(v), q(v)) (each race alone picks v with
+    its own probability), equal distributions always match, disjoint ones never do, and the chance of matching
+    is at least Daliri et al.'s (1 - TV) / (1 + TV) and at least a draw apart from the noise gets (sum q p)."""
+    from reference.keyed import coupled_match_law, coupling_bound
+
+    rng = np.random.default_rng(17)
+    for _ in range(500):
+        vocab = int(rng.integers(2, 9))
+        p, q = rng.dirichlet(np.full(vocab, 0.5)), rng.dirichlet(np.full(vocab, 0.5))
+        q[rng.random(vocab) < 0.2] = 0.0  # draft ids outside the intersection carry no mass
+        if q.sum() == 0:
+            continue
+        q /= q.sum()
+        law = coupled_match_law(p, q)
+        assert np.all(law[:-1] <= np.minimum(p, q) + 1e-12)
+        assert law[:-1].sum() >= coupling_bound(p, q) - 1e-12
+        assert law[:-1].sum() >= float(p @ q) - 1e-12
+        assert law[-1] >= -1e-12
+    p = rng.dirichlet(np.ones(5))
+    assert np.allclose(coupled_match_law(p, p)[:-1], p) and abs(coupled_match_law(p, p)[-1]) < 1e-12
+    assert coupled_match_law([0.5, 0.5, 0, 0], [0, 0, 0.3, 0.7])[-1] == 1.0

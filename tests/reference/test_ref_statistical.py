@@ -7,7 +7,7 @@ so no test here can pass by having no power.
 Budget (see reference/chisquare.py): the project allows a false-failure probability of 1e-3 for a
 full tox run. This file claims REFERENCE_BUDGET = 1e-4 of it for NUM_STATISTICAL_TESTS = 13 tests
 (counting parametrizations), so each correct-sampler check runs at
-ALPHA = 1e-4 / 13 = 7.7e-6. The negative controls do not spend budget: they are expected to fail,
+ALPHA = 1e-4 / 14 = 7.1e-6. The negative controls do not spend budget: they are expected to fail,
 and a control that passed would be a test failure caused by too little power, not by chance on
 a correct sampler. ``test_statistical_test_count_matches_the_budget`` keeps the count honest.
 
@@ -38,11 +38,12 @@ from reference.exact import (
     speculative_generate,
     truncate_at_eos,
 )
+from reference.keyed import coupled_match_law, keyed_sample
 from reference.rejection import map_proposal, onehot_block, sample_race, speculative_block
 from reference.tree import sampled_root_tree_law, sampled_root_tree_walk
 
 REFERENCE_BUDGET = 1e-4  # this file's share of chisquare.FALSE_FAILURE_BUDGET (1e-3)
-NUM_STATISTICAL_TESTS = 13
+NUM_STATISTICAL_TESTS = 14
 ALPHA = per_test_alpha(NUM_STATISTICAL_TESTS, budget=REFERENCE_BUDGET)
 
 NUM_DRAFT_TOKENS, VOCAB_SIZE = 3, 6
@@ -393,6 +394,25 @@ def test_chisquare_helper_passes_a_correct_sampler_and_fails_a_tempered_one():
     correct = rng.multinomial(3000, HELPER_PROBS)
     wrong = rng.multinomial(3000, tempered(HELPER_PROBS, 1.25))
     check_with_control(HELPER_PROBS, correct, wrong, "chi-square helper (control: T=1.25)")
+
+
+@pytest.mark.stats
+def test_coupled_keyed_draws_match_with_their_exact_law():
+    """A draft draw from q and the target's keyed sample from p on one position's noise (reference/keyed.py, item
+    5): over 6,000 seeds, which token both picked (or that they differ) follows `coupled_match_law`. Control: the
+    draft's race on another seed's noise (a draw apart from the target's), which matches with sum q p only."""
+    rng = np.random.default_rng(91)
+    p, q = rng.dirichlet(np.full(VOCAB_SIZE, 0.6)), rng.dirichlet(np.full(VOCAB_SIZE, 0.6))
+    law = coupled_match_law(p, q)
+    outcomes = {v: float(law[v]) for v in range(VOCAB_SIZE) if law[v] > 0} | {"differ": float(law[-1])}
+
+    def outcome(x, y):
+        return x if x == y else "differ"
+
+    position, seeds = 7, range(6000)
+    coupled = [outcome(keyed_sample(q, s, position), keyed_sample(p, s, position)) for s in seeds]
+    apart = [outcome(keyed_sample(q, s + 10**6, position), keyed_sample(p, s, position)) for s in seeds]
+    check_samples_with_control(outcomes, coupled, apart, "coupled keyed draws (control: the draft's own noise)")
 
 
 @pytest.mark.stats

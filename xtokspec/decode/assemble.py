@@ -25,7 +25,7 @@ from ..runtime.kv import choose_backend, context_limit, input_device
 from ..text.bridge import TextSync
 from ..text.codec import TokenCodec
 from ..types import GenerationStats, ProposalKind, SamplingParams, SpecConfig
-from . import loop, sampling
+from . import keyed, loop, sampling
 from .mapping import IntersectionMap, SameVocab, Switching, TextBridge, VocabMaps
 from .policy import DraftingCost, DraftLength, Fallback, ProposalChooser, TreeBudget, VerifyCost
 from .propose import ChainProposer, TreeProposer
@@ -38,6 +38,9 @@ from .verify import Sampler, SamplerOps
 log = logging.getLogger("xtokspec")
 
 HEALING_KINDS = frozenset({ProposalKind.GREEDY_BRIDGE, ProposalKind.ONEHOT, ProposalKind.AUTO})
+# the kinds whose draws may go through the intersection map: under the keyed sampler they race on the target's
+# keyed noise (keyed.Coupling)
+COUPLED_KINDS = frozenset({ProposalKind.INTERSECTION, ProposalKind.AUTO})
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,8 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
                                 target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen, roots, target_vocab)
     else:
         proposer = ChainProposer(pair.draft_eos, warpers, draft_gen, config.draft_confidence, pair.draft.token_bytes)
+        if sampler is not None and sampler.key is not None and kind in COUPLED_KINDS:
+            proposer.coupling = keyed.Coupling(sampler.key, target, sampler.start, pair.maps.draft_to_target(draft_device))
     mapping = mapper(pair, kind, draft_prompt=draft.ids, lookbehind=config.draft_lookbehind,
                      healing=config.draft_healing and config.tree_width == 1,  # trees: a cache level per step
                      logits_device=target_model.get_output_embeddings().weight.device, draft_device=draft_device,

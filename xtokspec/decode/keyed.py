@@ -59,21 +59,23 @@ def token_keys(ids: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return _TOKEN_KEYS[key]
 
 
-def uniforms(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+def uniforms(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor, keys: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """(N,) int64 positions -> (N, vocab) float64 U(0, 1) values keyed by (seed, position, token id); `vocab` a
-    tensor of ids ((N, M) or (M,)) gives those ids' values only."""
+    tensor of ids ((N, M) or (M,)) gives those ids' values only; `keys`: those ids' `token_keys`, computed once."""
     device = positions.device
     base = fmix32(torch.tensor(fold(seed) ^ SEED_SALT, dtype=torch.int64, device=device))
     rows = fmix32(base ^ mul32(positions.to(torch.int64) & MASK, POSITION_MUL))  # (N,)
-    h = fmix32(rows[:, None] ^ token_keys(vocab, device))  # (N, V)
+    h = fmix32(rows[:, None] ^ (keys if keys is not None else token_keys(vocab, device)))  # (N, V)
     # NOTE: 24 bits plus a half: strictly inside (0, 1), exact in float32 and float64 alike
     return h.bitwise_right_shift_(8).to(torch.float64).add_(0.5).div_(float(1 << 24))
 
 
-def noise(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+def noise(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor, keys: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """(N, vocab) float32 Exp(1) noise keyed by (seed, position, token id): -log U, strictly positive (`vocab`:
     a size, or the ids to compute, as in `uniforms`)."""
-    return uniforms(seed, positions, vocab).log_().neg_().to(torch.float32)
+    return uniforms(seed, positions, vocab, keys).log_().neg_().to(torch.float32)
 
 
 def samples(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
@@ -115,3 +117,25 @@ def margin(probs: torch.Tensor, seed: int, position: int) -> float:
     keys = torch.log(probs.float()) - torch.log(noise(seed, torch.tensor([position]), probs.shape[-1])[0]).to(probs.device)
     top = torch.topk(keys, 2).values
     return float(top[0] - top[1])
+
+
+class Coupling:
+    """The draft's draws coupled to the target's keyed samples (Daliri, Musco and Suresh 2024): where the draft
+    draws among ids that are target ids too (the intersection map), its race at a target output position uses
+    that position's keyed noise of the target ids, x = argmax_d q(d) / E(position, t(d)). The target's keyed
+    sample y = argmax_v p(v) / E(position, v) races on the same noise, so x = y with probability
+    sum_v 1 / sum_u max(p(u) / p(v), q(u) / q(v)) >= (1 - TV) / (1 + TV), where a draw apart from the noise
+    matches with sum_v q(v) p(v) only (reference/keyed.py, items 5 and 6). What is emitted is still the target's
+    keyed sample: the draw changes acceptance, never the text."""
+
+    def __init__(self, seed: int, target, start: int, draft_to_target: torch.Tensor):
+        """`target`: the target's state (`cache.ModelState`: its ids are the committed ones while the draft
+        draws); `start`: its ids before the first output position; `draft_to_target`: (Vd,) each draft id's
+        target id, -1 where none (those ids get id 0's noise: the intersection map gives them no mass)."""
+        self.seed, self.target, self.start = seed, target, start
+        self.keys = token_keys(draft_to_target.clamp(min=0), draft_to_target.device)  # (Vd,), computed once
+
+    def noise(self, offset: int) -> torch.Tensor:
+        """(Vd,) the noise of the draft's ids at the target output position `offset` past the committed ones."""
+        position = len(self.target.ids) - self.start + offset
+        return noise(self.seed, torch.tensor([position], device=self.keys.device), self.keys.shape[-1], self.keys)[0]

@@ -45,6 +45,7 @@ class ChainProposer:
         self.draft_eos, self.warpers, self.generator = draft_eos, warpers, generator
         self.min_confidence = min_confidence
         self.table = token_bytes  # the draft's ids' bytes (None: one tokenizer, nothing is ever restated)
+        self.coupling = None  # keyed.Coupling: draws on the intersection map race on the target's keyed noise
 
     def propose(self, draft: ModelState, k: int, mapper, room: int, laps: Laps) -> Proposal:
         """Draft up to k ids and map them; at most `room` proposals reach the verifier."""
@@ -116,7 +117,10 @@ class ChainProposer:
                     if float(probs.sum()) <= 0:
                         break  # NOTE: no mapped token has mass: stop drafting rather than divide by 0
                     probs = probs / probs.sum()
-                noise = sampling.exponential_noise(probs.shape, self.generator, probs.device)
+                if self.coupling is not None and restrict is not None:  # each id drafted is one target id
+                    noise = self.coupling.noise(len(ids)).to(probs.device)
+                else:
+                    noise = sampling.exponential_noise(probs.shape, self.generator, probs.device)
                 token = int(sampling.race(probs, noise))
                 confident = float(probs[token]) >= self.min_confidence
                 if keep_rows:
