@@ -1,10 +1,14 @@
-"""Every script in benchmarks/ still imports what it uses from xtokspec and parses its options: `--help` exits 0.
+"""Every script in benchmarks/ still imports what it uses from xtokspec and parses its options: `--help` exits 0
+and prints a usage line.
 
-Run in a subprocess each (a script may set torch's threads or environment at import), from the checkout, with
-the installed xtokspec; `common.py` is their shared helpers, not a script."""
+The scripts run as `__main__` (`runpy`), one after another, in one subprocess of their own (a script may set
+torch's threads or its environment at import, which must not reach the test process): torch and transformers
+are imported once for all of them rather than once per script. From the checkout, with the installed xtokspec;
+`common.py` is their shared helpers, not a script."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,15 +19,44 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name != "common.py")
 
+# Runs each script named on its command line with `--help` -> {script: [exit code, stdout, stderr tail]} as JSON
+RUNNER = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for script in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    saved = list(sys.path)
+    sys.argv = [script, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    sys.path[:] = saved
+    results[script] = [code, out.getvalue(), err.getvalue()[-3000:]]
+print(json.dumps(results))
+"""
+
 
 def test_the_scripts_are_found():
     assert len(SCRIPTS) >= 20 and "compare_commits.py" in SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_benchmark_script_answers_help(script):
+@pytest.fixture(scope="module")
+def answers() -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], cwd=BENCHMARKS, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{script} --help: exit {done.returncode}\n{done.stderr[-3000:]}"
-    assert "usage" in done.stdout.lower(), done.stdout[-2000:]
+    done = subprocess.run([sys.executable, "-c", RUNNER, *SCRIPTS], cwd=BENCHMARKS, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_benchmark_script_answers_help(script, answers):
+    code, out, err = answers[script]
+    assert code == 0, f"{script} --help: exit {code}\n{err}"
+    assert "usage" in out.lower(), out[-2000:]
