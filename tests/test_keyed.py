@@ -183,6 +183,30 @@ def test_the_coupled_draft_draws_the_keyed_sample_of_its_own_distribution_on_the
     assert differ > 100, differ  # the mutant's draws are not the keyed samples
 
 
+def test_the_choosers_coupled_acceptance_is_the_references_match_law():
+    """sampling.coupled_acceptance (what proposal="auto" scores intersection proposals by under the keyed sampler)
+    equals the sum of reference.coupled_match_law over random target and draft distributions, with draft ids that
+    no target id spells, ids without mass on either side, and ties of p / Q."""
+    from xtokspec.decode import sampling
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        vt, vd = int(rng.integers(3, 12)), int(rng.integers(3, 12))
+        p = rng.dirichlet(np.full(vt, 0.5))
+        p[rng.random(vt) < 0.2] = 0.0
+        p = p / p.sum() if p.sum() > 0 else np.full(vt, 1.0 / vt)
+        q = rng.dirichlet(np.full(vd, 0.5))
+        draft_to_target = np.where(rng.random(vd) < 0.25, -1, rng.permutation(max(vt, vd))[:vd] % vt)
+        if trial % 10 == 0:  # ties: Q proportional to p on the mapped ids
+            draft_to_target = np.arange(vd) % vt
+            q = p[draft_to_target] / p[draft_to_target].sum() if p[draft_to_target].sum() > 0 else q
+        mapped = np.zeros(vt)
+        np.add.at(mapped, draft_to_target[draft_to_target >= 0], q[draft_to_target >= 0])
+        expected = reference.coupled_match_law(p, mapped / mapped.sum())[:-1].sum() if mapped.sum() > 0 else 0.0
+        got = float(sampling.coupled_acceptance(torch.tensor(p), torch.tensor(q), torch.tensor(draft_to_target)))
+        assert got == pytest.approx(expected, abs=1e-9), trial
+
+
 @pytest.mark.slow
 def test_coupled_draws_are_accepted_more_and_give_the_same_text(bridged_spec, heldout_prompts, monkeypatch):
     """Keyed, with intersection proposals (K=3, T=0.7, 4 prompts x 3 seeds x 24 tokens): drafts coupled to the

@@ -213,6 +213,7 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     policies = (stats, draft_length, budget, fallback) if config.tree_width > 1 else (stats, draft_length, fallback)
     if isinstance(mapping, Switching):  # the chooser observes the verified cycles first, as the commit once did
         policies = (mapping.chooser, *policies)
+        mapping.coupled = getattr(proposer, "coupling", None) is not None
     return loop.Run(
         target=target, draft=draft, mapper=mapping, proposer=proposer, sampler=sampler, draft_length=draft_length,
         fallback=fallback, observers=policies, stats=stats, target_eos=pair.target_eos,

@@ -131,7 +131,9 @@ class Coupling:
     def __init__(self, seed: int, target, start: int, draft_to_target: torch.Tensor):
         """`target`: the target's state (`cache.ModelState`: its ids are the committed ones while the draft
         draws); `start`: its ids before the first output position; `draft_to_target`: (Vd,) each draft id's
-        target id, -1 where none (those ids get id 0's noise: the intersection map gives them no mass)."""
+        target id, -1 where none (those ids get id 0's noise: the intersection map gives them no mass). Draft ids
+        that spell one target id share its noise: the race then favours the likeliest of them (the emitted text
+        is the target's keyed sample all the same)."""
         self.seed, self.target, self.start = seed, target, start
         self.keys = token_keys(draft_to_target.clamp(min=0), draft_to_target.device)  # (Vd,), computed once
 

@@ -255,6 +255,7 @@ class Switching:
         self.chooser = chooser
         self.first_pieces = first_pieces  # (Vd,) on the target's logits device
         self.draft_to_target = draft_to_target  # (Vd,) on the target's logits device
+        self.coupled = False  # the keyed sampler's coupled draws (keyed.Coupling): scored by their own chance
 
     @property
     def current(self):
@@ -266,7 +267,8 @@ class Switching:
         q = draft_probs.to(target_probs.device)
         onehot, intersection = torch.stack([
             sampling.onehot_acceptance(target_probs, q, self.first_pieces[: q.shape[-1]]),
-            sampling.intersection_acceptance(target_probs, q, self.draft_to_target[: q.shape[-1]]),
+            (sampling.coupled_acceptance if self.coupled else sampling.intersection_acceptance)(
+                target_probs, q, self.draft_to_target[: q.shape[-1]]),
         ]).tolist()
         return onehot, intersection
 

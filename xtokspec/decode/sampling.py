@@ -95,6 +95,24 @@ def intersection_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tenso
     return torch.minimum(target_probs, q).sum()
 
 
+def coupled_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                       draft_to_target: torch.Tensor) -> torch.Tensor:
+    """Chance that an intersection proposal drawn on the keyed sampler's noise (keyed.Coupling) is the target's
+    keyed sample at one position: sum_v 1 / sum_u max(p(u) / p(v), Q(u) / Q(v)) (reference/keyed.py, item 5),
+    with Q as in `intersection_acceptance`. In O(V log V): sorted by r = p / Q, the max is the p term for the u
+    with r(u) >= r(v) and the Q term for the rest (ties give both the same). A 0-dim tensor (no host transfer)."""
+    p = target_probs.double()
+    q = _mapped(draft_probs, draft_to_target, target_probs.shape[-1])[0].double()
+    ratio = torch.where(q > 0, p / q.clamp(min=1e-300), torch.where(p > 0, torch.inf, 0.0))
+    order = torch.argsort(ratio, descending=True)
+    ps, qs = p[order], q[order]
+    p_at_or_above = torch.cumsum(ps, 0)
+    q_below = qs.sum() - torch.cumsum(qs, 0)
+    both = (ps > 0) & (qs > 0)
+    denominator = p_at_or_above / ps.clamp(min=1e-300) + q_below / qs.clamp(min=1e-300)
+    return torch.where(both, 1.0 / denominator, 0.0).sum().to(target_probs.dtype)
+
+
 def onehot_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, first_piece: torch.Tensor) -> torch.Tensor:
     """Chance that the one-hot proposal is accepted at one position: sum_d q(d) p(first_piece[d]), the draft id d
     drawn from its (Vd,) distribution q and proposed as the first target token of its text (first_piece[d]; -1,
