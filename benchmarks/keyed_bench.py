@@ -1,7 +1,7 @@
 """The keyed sampler against today's sampled paths, paired per prompt: tokens per target call and speed.
 
     python benchmarks/keyed_bench.py [--preset fixtures|real] [--temperature 0.7] [--prompts 16]
-                                     [--new-tokens 64] [--rounds 2] [--fixed-k K]
+                                     [--new-tokens 64] [--rounds 2] [--fixed-k K] [--systems onehot,keyed]
                                      [--out benchmarks/results/MACHINE/STUDY/results.json]
 
 Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)` on one XTokSpec with the
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fixed-k", type=int, metavar="K", help="every system drafts K every cycle (adaptive=False: "
                         "no fallback), so the rules alone differ; default: the library's adaptive defaults")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all); pairs of them are reported")
     parser.add_argument("--out", type=Path, help="write results.json (and results.md beside it) here")
     return parser
 
@@ -89,7 +91,10 @@ def main() -> None:
         write_manifest(args.out.parent, threads=1)
     spec, prompts = load(args.preset)
     prompts = prompts[: args.prompts]
-    names = list(SYSTEMS)
+    names = [name for name in args.systems.split(",") if name]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose among {list(SYSTEMS)}")
     for name in names:  # warm-up
         spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
                       **SYSTEMS[name], **fixed)
@@ -112,7 +117,7 @@ def main() -> None:
         summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
                          "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
     pairs = {}
-    for name, other in PAIRS:
+    for name, other in [pair for pair in PAIRS if set(pair) <= set(names)]:
         ratios = [k["tokens_per_s"] / o["tokens_per_s"]
                   for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
         pairs[f"{name}/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
