@@ -1,7 +1,7 @@
 """Chi-square tests of xtokspec's sampling against exact distributions, each with a negative control.
 
 False-failure budget (see reference/chisquare.py): a full tox run may fail a correct implementation with
-probability <= 1e-3. tests/reference claims 1e-4 for its 13 tests, tests/test_vllm.py 5e-5 for its tests through
+probability <= 1e-3. tests/reference claims 1e-4 for its 14 tests, tests/test_vllm.py 5e-5 for its tests through
 vLLM and tests/test_keyed.py 5e-5 for the keyed sampler's; this file claims the other 8e-4 for its NUM_TESTS
 statistical tests, so each runs at ALPHA = 8e-4 / NUM_TESTS. Seeds are fixed: a pass is
 reproducible, and the budget is the chance that the seeds chosen were unlucky. Every test also runs a

@@ -5,7 +5,7 @@ that the correct one passes the chi-square test at ALPHA while the wrong one fai
 so no test here can pass by having no power.
 
 Budget (see reference/chisquare.py): the project allows a false-failure probability of 1e-3 for a
-full tox run. This file claims REFERENCE_BUDGET = 1e-4 of it for NUM_STATISTICAL_TESTS = 13 tests
+full tox run. This file claims REFERENCE_BUDGET = 1e-4 of it for NUM_STATISTICAL_TESTS = 14 tests
 (counting parametrizations), so each correct-sampler check runs at
 ALPHA = 1e-4 / 14 = 7.1e-6. The negative controls do not spend budget: they are expected to fail,
 and a control that passed would be a test failure caused by too little power, not by chance on
