@@ -137,7 +137,9 @@ class Coupling:
         self.seed, self.target, self.start = seed, target, start
         self.keys = token_keys(draft_to_target.clamp(min=0), draft_to_target.device)  # (Vd,), computed once
 
-    def noise(self, offset: int) -> torch.Tensor:
-        """(Vd,) the noise of the draft's ids at the target output position `offset` past the committed ones."""
-        position = len(self.target.ids) - self.start + offset
-        return noise(self.seed, torch.tensor([position], device=self.keys.device), self.keys.shape[-1], self.keys)[0]
+    def noise(self, offsets: int) -> torch.Tensor:
+        """(offsets, Vd) the noise of the draft's ids at the next `offsets` target output positions past the
+        committed ones, in one pass (a chain's K drafted ids race on K rows)."""
+        first = len(self.target.ids) - self.start
+        positions = torch.arange(first, first + offsets, device=self.keys.device)
+        return noise(self.seed, positions, self.keys.shape[-1], self.keys)

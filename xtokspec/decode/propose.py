@@ -99,6 +99,9 @@ class ChainProposer:
         rows: list[torch.Tensor] = []
         restrict = mapper.restrict  # (Vd,) bool or None
         keep_rows = mapper.keeps_rows and self.warpers is not None
+        # the coupled draws' noise (keyed.Coupling), all k rows in one pass: each id drafted is one target id
+        coupled = (self.coupling.noise(k) if self.coupling is not None and restrict is not None and k > 0
+                   and self.warpers is not None else None)
         first = None
         remaining = mapper.restate if restate is None else restate
         for _ in range(k):
@@ -117,8 +120,8 @@ class ChainProposer:
                     if float(probs.sum()) <= 0:
                         break  # NOTE: no mapped token has mass: stop drafting rather than divide by 0
                     probs = probs / probs.sum()
-                if self.coupling is not None and restrict is not None:  # each id drafted is one target id
-                    noise = self.coupling.noise(len(ids)).to(probs.device)
+                if coupled is not None:
+                    noise = coupled[len(ids)].to(probs.device)
                 else:
                     noise = sampling.exponential_noise(probs.shape, self.generator, probs.device)
                 token = int(sampling.race(probs, noise))
