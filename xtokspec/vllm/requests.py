@@ -26,9 +26,11 @@ class Entry:
     number: int = field(default=0)  # creation order: ties between equal matches go to the older entry
 
 
-def key(ids: np.ndarray, n: int) -> tuple:
-    """What the index keys an entry that saw ids[:n] by: n and its last (up to) 4 ids."""
-    return n, *ids[max(0, n - 4) : n].tolist()
+def key(ids, n: int, start: int = 0) -> tuple:
+    """What the index keys an entry that saw n ids by: n and its last (up to) 4 ids. `ids`: an array or a list of
+    the ids from position `start` on (the last 4 of the n among them)."""
+    last = ids[max(0, n - 4) - start : n - start]
+    return n, *(last.tolist() if isinstance(last, np.ndarray) else last)
 
 
 class RequestTable:
@@ -58,9 +60,9 @@ class RequestTable:
             length = len(row)
             low = max(0, length - self.max_new - 1)
             offset = max(0, low - 3)
-            tail = row[offset:length].tolist()  # the ids all its keys are made of (`key`), out of numpy once
+            tail = row[offset:length].tolist()  # the ids all its keys are made of, out of numpy once
             for n in range(length, low, -1):
-                for e in self.index.get((n, *tail[max(0, n - 4) - offset : n - offset]), ()):
+                for e in self.index.get(key(tail, n, offset), ()):
                     self.comparisons += 1
                     if np.array_equal(row[:n], e.ids):
                         pairs.append((-n, e.number, r, e))

@@ -46,8 +46,8 @@ class ProposerSettings:
     idle_calls: int = 4
 
     @classmethod
-    def read(cls, additional_config, default_dtype, draft=None) -> ProposerSettings:
-        extra = additional_config if isinstance(additional_config, dict) else {}
+    def read(cls, extra: dict, default_dtype, draft=None) -> ProposerSettings:
+        """`extra`: vLLM's `additional_config` (a dict, empty where none was given)."""
         draft = draft or extra.get(DRAFT_KEY) or os.environ.get(DRAFT_ENV)
         if not draft:
             raise XTokSpecError(
