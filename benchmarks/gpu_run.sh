@@ -28,6 +28,8 @@
 #   bash benchmarks/gpu_run.sh 22  # the same loops in both orders (which of the two runs first)
 #   bash benchmarks/gpu_run.sh 23  # the fixture preset against transformers' compiled target alone; the eager loop at
 #                                  # the 13B shapes with the bridged draft first
+#   bash benchmarks/gpu_run.sh 24  # the default (CUDA graphs) measured: parts 15's and 16's recording and step costs
+#                                  # at the 13B and 7B/1B shapes, a fresh first generate; the keyed sampler on CUDA
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -217,6 +219,18 @@ case "${1:-1}" in
     --modes greedy T=0.7 --tree-widths --always-draft --no-progress --systems xtokspec-same xtokspec-bridged \
     xtokspec-bridged-always xtokspec-bridged-onehot xtokspec-bridged-onehot-always --out "$OUT/fixtures-static"
   step 200 loop-bridged-first python3 benchmarks/gpu_loop.py --drafts bridged same --out "$OUT/loop-bridged-first"
+  ;;
+24)  # the default path's figures first (gpu_graphs.py at both pairs' shapes and a fresh process's first generate,
+     # each alone on the GPU), then the keyed sampler on CUDA: its tests (the hash's bits against the reference,
+     # keyed text equal to the target alone's whatever the draft) and what its noise costs at a real vocabulary
+  step 100 graphs13 python3 benchmarks/gpu_graphs.py --pairs 13b --out "$OUT/graphs13"
+  step 60 first python3 benchmarks/gpu_graphs.py --first-generate --out "$OUT/first"
+  step 200 graphs7 python3 benchmarks/gpu_graphs.py --pairs 7b-1b --out "$OUT/graphs7"
+  XTOKSPEC_TEST_DEVICE=cuda step 90 keyed-tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rP \
+    --durations=5 tests/test_keyed.py
+  step 30 keyed-noise python3 benchmarks/keyed_bench.py --noise-only --device cuda --out "$OUT/keyed-noise/results.json"
+  step 80 keyed-bench python3 benchmarks/keyed_bench.py --device cuda --prompts 16 --rounds 1 --fixed-k 4 \
+    --systems onehot,auto,keyed --out "$OUT/keyed-bench/results.json"
   ;;
 esac
 # one archive: the device returns at most 8 files

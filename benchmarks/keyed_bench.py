@@ -2,6 +2,7 @@
 
     python benchmarks/keyed_bench.py [--preset fixtures|real] [--temperature 0.7] [--prompts 16]
                                      [--new-tokens 64] [--rounds 2] [--fixed-k K] [--systems onehot,keyed]
+                                     [--device cpu|cuda] [--noise-only]
                                      [--out benchmarks/results/MACHINE/STUDY/results.json]
 
 Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)` on one XTokSpec with the
@@ -43,39 +44,50 @@ def build_parser() -> argparse.ArgumentParser:
                         "no fallback), so the rules alone differ; default: the library's adaptive defaults")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all); pairs of them are reported")
+    parser.add_argument("--device", default="cpu", help="where the fixture pair runs (cuda: the GPU figures)")
+    parser.add_argument("--noise-only", action="store_true", help="only the keyed noise's cost on --device")
     parser.add_argument("--out", type=Path, help="write results.json (and results.md beside it) here")
     return parser
 
 
-def load(preset: str):
+def load(preset: str, device: str):
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from xtokspec import XTokSpec
 
     if preset == "fixtures":
         models = ROOT / "fixtures" / "models"
-        spec = XTokSpec(str(models / "ja-target"), str(models / "ja-draft-bpe"),
-                        large_kwargs={"dtype": torch.float32}, small_kwargs={"dtype": torch.float32})
+        pair = [(AutoModelForCausalLM.from_pretrained(models / name, dtype=torch.float32).eval().to(device),
+                 AutoTokenizer.from_pretrained(models / name)) for name in ("ja-target", "ja-draft-bpe")]
+        spec = XTokSpec(*pair)
         lines = (ROOT / "fixtures" / "data" / "prompts.txt").read_text(encoding="utf-8").splitlines()
         return spec, [line for line in lines if line]
     from real_models import real_model_dir
 
+    if device != "cpu":
+        raise SystemExit("--preset real runs on the CPU here (the real weights do not travel to a GPU machine)")
     spec = XTokSpec(str(real_model_dir("qwen2.5-coder-1.5b")), str(real_model_dir("gemma-3-270m")),
                     large_kwargs={"dtype": torch.bfloat16}, small_kwargs={"dtype": torch.bfloat16})
     lines = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
     return spec, [line for line in lines if 40 <= len(line) <= 120]
 
 
-def noise_cost(vocab: int, rows: int = 5, repeats: int = 20) -> float:
-    """Seconds of keyed.noise over `rows` positions of `vocab` ids (the median of `repeats`)."""
+def noise_cost(vocab: int, device: str = "cpu", rows: int = 5, repeats: int = 20) -> float:
+    """Seconds of keyed.noise over `rows` positions of `vocab` ids on `device` (the median of `repeats`, after one
+    call that builds the vocabulary's token keys)."""
     import torch
 
     from xtokspec.decode import keyed
 
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    keyed.noise(0, torch.arange(rows, device=device), vocab)
     times = []
     for n in range(repeats):
+        sync()
         t0 = time.perf_counter()
-        keyed.noise(n, torch.arange(rows), vocab)
+        keyed.noise(n, torch.arange(rows, device=device), vocab)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -92,8 +104,15 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.out:
-        write_manifest(args.out.parent, threads=1)
-    spec, prompts = load(args.preset)
+        write_manifest(args.out.parent, args.device, threads=1)
+    if args.noise_only:
+        costs = {"device": args.device, **{f"noise_s_5_rows_{v}": noise_cost(v, args.device) for v in (96000, 151936)}}
+        print(json.dumps(costs))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
+        return
+    spec, prompts = load(args.preset, args.device)
     prompts = prompts[: args.prompts]
     for name in names:  # warm-up
         spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
@@ -122,8 +141,10 @@ def main() -> None:
                   for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
         pairs[f"{name}/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
     vocab = spec.target_model.config.vocab_size
-    costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab), "noise_s_5_rows_151936": noise_cost(151936)}
-    header = (f"keyed sampler ({cpu_name()}, 1 torch thread), {args.preset} pair, T={args.temperature}, "
+    costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab, args.device),
+             "noise_s_5_rows_151936": noise_cost(151936, args.device)}
+    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
+    header = (f"keyed sampler ({machine}, 1 torch thread), {args.preset} pair, T={args.temperature}, "
               f"{len(prompts)} prompts x {args.new_tokens} tokens, {args.rounds} rounds, "
               + ("adaptive defaults" if args.fixed_k is None else f"K={args.fixed_k} every cycle"))
     lines = [header, "", "| system | tokens/s (median over prompts) | tokens per target call |", "|---|---|---|"]

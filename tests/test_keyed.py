@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_helpers import TEST_DEVICE
 from policies import scripted
 
 import reference
@@ -23,12 +24,13 @@ KEYED_ALPHA = 5e-5
 
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, 2**64 - 5, -1])
 def test_the_hash_gives_the_references_bits_and_noise_strictly_inside(seed):
+    # on XTOKSPEC_TEST_DEVICE: the 64-bit products that the hash masks must give the same bits on a GPU
     positions = torch.tensor([0, 1, 5, 123_456, 2**33])
-    ours = keyed.uniforms(seed, positions, 5000).numpy()
+    ours = keyed.uniforms(seed, positions.to(TEST_DEVICE), 5000).cpu().numpy()
     theirs = reference.keyed_uniforms(seed, positions.numpy(), 5000)
     assert np.array_equal(ours, theirs)
     assert 0 < ours.min() and ours.max() < 1
-    noise = keyed.noise(seed, torch.arange(20), 5000)
+    noise = keyed.noise(seed, torch.arange(20, device=TEST_DEVICE), 5000)
     assert bool(torch.isfinite(noise).all()) and float(noise.min()) > 0
     assert abs(float(noise.double().mean()) - 1.0) < 0.02  # Exp(1): mean 1 (100,000 draws, sd 0.0032)
 
