@@ -30,6 +30,8 @@ from reference.exact import (
 )
 from reference.keyed import (
     coupled_match_law,
+    coupled_roots,
+    coupled_roots_hit,
     coupling_bound,
     keyed_noise,
     keyed_sample,
@@ -49,6 +51,8 @@ from reference.rejection import (
 __all__ = [
     "coupled_match_law",
     "coupling_bound",
+    "coupled_roots",
+    "coupled_roots_hit",
     "keyed_noise",
     "keyed_sample",
     "keyed_uniforms",

@@ -34,6 +34,12 @@ Proof sketch.
    the total variation between p and q (Daliri et al., "Coupling without communication"), where item 4's draw
    gets sum_v q(v) p(v). x stays a draw from q (the race of item 1 on q), and item 2 does not depend on how the
    proposal was chosen: the text is still the target alone's.
+6. Coupled tree roots. A tree's sampled root offers W candidates for its first position, the target ids (groups
+   of draft ids) with the W largest q(v) / E(v) on that position's keyed noise: a draw without replacement from q
+   (the Gumbel-top-k trick; its first is item 5's coupled draw). The trie walk of item 3 accepts the child equal
+   to y, so the root level is accepted with P(y among the W), at least item 5's chance and growing with W
+   (`coupled_roots_hit` counts it over seeds); drawn apart from the noise, it is sum over the W of p(v) only.
+   Item 2 holds whatever the candidates: the text is the target alone's.
 """
 
 from __future__ import annotations
@@ -97,6 +103,19 @@ def coupled_match_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
         law[v] = 1.0 / np.maximum(p / p[v], q / q[v]).sum()
     law[-1] = 1.0 - law[:-1].sum()
     return law
+
+
+def coupled_roots(q: np.ndarray, seed: int, position: int, width: int) -> list[int]:
+    """The `width` ids with the largest q(v) / E(v) on the position's keyed noise, largest first, among ids with
+    mass (item 6)."""
+    keys = np.asarray(q, dtype=np.float64) / keyed_noise(seed, [position], len(q))[0]
+    order = np.argsort(-keys, kind="stable")[:width]
+    return [int(v) for v in order if keys[v] > 0]
+
+
+def coupled_roots_hit(p: np.ndarray, q: np.ndarray, width: int, seeds: range, position: int = 0) -> float:
+    """The share of seeds whose keyed sample of p is among `coupled_roots(q, ...)` (item 6's root acceptance)."""
+    return float(np.mean([keyed_sample(p, s, position) in coupled_roots(q, s, position, width) for s in seeds]))
 
 
 def coupling_bound(p: np.ndarray, q: np.ndarray) -> float:

@@ -92,11 +92,14 @@ def tiny_mistral(tokenizer, seed: int):
 
 
 def load_script(relative: str):
-    """A script of the checkout (e.g. benchmarks/real_models.py) imported as a module by its path."""
+    """A script of the checkout (e.g. benchmarks/real_models.py) imported as a module by its path, its folder on
+    sys.path as when it runs."""
     import importlib.util
     import sys
 
     path = ROOT / relative
+    if str(path.parent) not in sys.path:  # as when it runs: its folder's modules (benchmarks/common.py) import
+        sys.path.insert(0, str(path.parent))
     name = "script_" + path.stem
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

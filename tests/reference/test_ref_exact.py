@@ -174,3 +174,31 @@ def test_the_coupled_match_law_is_a_coupling_and_meets_its_bound():
     p = rng.dirichlet(np.ones(5))
     assert np.allclose(coupled_match_law(p, p)[:-1], p) and abs(coupled_match_law(p, p)[-1]) < 1e-12
     assert coupled_match_law([0.5, 0.5, 0, 0], [0, 0, 0.3, 0.7])[-1] == 1.0
+
+
+def test_coupled_tree_roots_lead_with_the_coupled_draw_and_grow_by_width():
+    """reference/keyed.py, item 6: the first root candidate is q's keyed sample (item 5's coupled draw), the
+    candidates for width W are those for W + 1 less the last, all distinct ids with mass; equal distributions
+    always match at width 1, and a width that covers q's support always holds the target's sample."""
+    from reference.keyed import coupled_roots, coupled_roots_hit, keyed_sample
+
+    rng = np.random.default_rng(23)
+    for trial in range(300):
+        vocab = int(rng.integers(2, 12))
+        q = rng.dirichlet(np.full(vocab, 0.5))
+        q[rng.random(vocab) < 0.3] = 0.0
+        if q.sum() == 0:
+            continue
+        q /= q.sum()
+        seed, position = int(rng.integers(0, 2**40)), int(rng.integers(0, 1000))
+        roots = [coupled_roots(q, seed, position, w) for w in range(1, vocab + 1)]
+        assert roots[0][0] == keyed_sample(q, seed, position), trial
+        for w in range(1, vocab):
+            assert roots[w - 1] == roots[w][:w] or roots[w - 1] == roots[w], trial
+        assert len(set(roots[-1])) == len(roots[-1]) == int((q > 0).sum()) and all(q[v] > 0 for v in roots[-1])
+    p = rng.dirichlet(np.ones(6))
+    assert coupled_roots_hit(p, p, 1, range(300)) == 1.0
+    q = p.copy()
+    q[0] = 0.0
+    q /= q.sum()
+    assert coupled_roots_hit(q, q, 5, range(300)) == 1.0  # width 5 covers q's five ids

@@ -195,16 +195,19 @@ def generation(pair: Pair, kept: Kept, target: ModelState, draft: ModelState, st
     budget = TreeBudget(config, draft_length.verify_cost, kept.tree_size_times)
     target_vocab = target_model.config.vocab_size
     draft_device = input_device(draft_model)
-    coupling = None  # the keyed sampler's coupled draws (chains on the intersection map only)
+    coupling = None  # the keyed sampler's coupled draws (chains on the intersection map, and sampled tree roots)
+    keyed_sampler = sampler is not None and sampler.key is not None
     if config.tree_width > 1:
         groups = params.do_sample and config.tree_root == "sampled"
         roots = (pair.maps.root_groups(pair.same_vocab, target_vocab, draft_model.config.vocab_size).to(draft_device)
                  if groups else None)
         proposer = TreeProposer(config.tree_width, pair.draft_eos, pair.draft.token_bytes, budget, target,
                                 target.max_tree_nodes(config.max_tree_nodes), warpers, draft_gen, roots, target_vocab)
+        if keyed_sampler and roots is not None:
+            proposer.coupling = keyed.Coupling(sampler.key, target, sampler.start)
     else:
         proposer = ChainProposer(pair.draft_eos, warpers, draft_gen, config.draft_confidence, pair.draft.token_bytes)
-        if sampler is not None and sampler.key is not None and kind in COUPLED_KINDS:
+        if keyed_sampler and kind in COUPLED_KINDS:
             coupling = keyed.Coupling(sampler.key, target, sampler.start, pair.maps.draft_to_target(draft_device))
             proposer.coupling = coupling
     mapping = mapper(pair, kind, draft_prompt=draft.ids, lookbehind=config.draft_lookbehind,

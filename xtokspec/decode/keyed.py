@@ -128,14 +128,21 @@ class Coupling:
     matches with sum_v q(v) p(v) only (reference/keyed.py, item 5). What is emitted is still the target's
     keyed sample: the draw changes acceptance, never the text."""
 
-    def __init__(self, seed: int, target, start: int, draft_to_target: torch.Tensor):
+    def __init__(self, seed: int, target, start: int, draft_to_target: torch.Tensor | None = None):
         """`target`: the target's state (`cache.ModelState`: its ids are the committed ones while the draft
         draws); `start`: its ids before the first output position; `draft_to_target`: (Vd,) each draft id's
         target id, -1 where none (those ids get id 0's noise: the intersection map gives them no mass). Draft ids
         that spell one target id share its noise: the race then favours the likeliest of them (the emitted text
-        is the target's keyed sample all the same)."""
+        is the target's keyed sample all the same); None: only `row` is asked for (a tree's sampled root)."""
         self.seed, self.target, self.start = seed, target, start
-        self.keys = token_keys(draft_to_target.clamp(min=0), draft_to_target.device)  # (Vd,), computed once
+        self.keys = (None if draft_to_target is None  # (Vd,), computed once
+                     else token_keys(draft_to_target.clamp(min=0), draft_to_target.device))
+
+    def row(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) the noise of every target id at the next output position past the committed ones: a tree's
+        sampled root races its candidate groups (target ids) on it (sampling.draw_groups_keyed)."""
+        position = torch.tensor([len(self.target.ids) - self.start], device=device)
+        return noise(self.seed, position, vocab)[0]
 
     def noise(self, offsets: int) -> torch.Tensor:
         """(offsets, Vd) the noise of the draft's ids at the next `offsets` target output positions past the

@@ -187,6 +187,7 @@ class TreeProposer:
         # a sampled root (SpecConfig.tree_root): (Vd,) each draft id's group, the target id its root candidate
         # stands for (the first target token of its text; the target's EOS for the draft's; -1: none)
         self.root_groups, self.target_vocab = root_groups, target_vocab
+        self.coupling = None  # keyed.Coupling: under the keyed sampler the root's groups race on its keyed noise
 
     def propose(self, draft: ModelState, k: int, mapper, max_depth: int, laps: Laps) -> Proposal:
         """Draft a tree of up to k levels, bridge its branches into a trie of depth <= max_depth and at most
@@ -306,8 +307,12 @@ class TreeProposer:
         """The root's candidates drawn from the draft's (Vd,) distribution: ([(log-probability, row 0, draft id,
         target id)] in draw order, (target ids, (Vt,) the distribution they were drawn from))."""
         noise = sampling.exponential_noise(probs.shape, self.generator, probs.device)  # (Vd,)
-        groups, draft_ids = sampling.draw_groups_without_replacement(probs, self.root_groups, self.target_vocab,
-                                                                     self.width, noise)
+        if self.coupling is not None:
+            groups, draft_ids = sampling.draw_groups_keyed(probs, self.root_groups, self.target_vocab, self.width,
+                                                           self.coupling.row(self.target_vocab, probs.device), noise)
+        else:
+            groups, draft_ids = sampling.draw_groups_without_replacement(probs, self.root_groups, self.target_vocab,
+                                                                         self.width, noise)
         root_q = sampling.grouped_distribution(probs, self.root_groups, self.target_vocab)  # (Vt,)
         scores = probs[to_device(draft_ids, probs.device)].log().tolist() if draft_ids else []
         chosen = [(score, 0, d, g) for score, d, g in zip(scores, draft_ids, groups, strict=True)]

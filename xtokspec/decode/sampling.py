@@ -151,6 +151,22 @@ def draw_groups_without_replacement(draft_probs: torch.Tensor, groups: torch.Ten
     return chosen[:n], draft_ids[:n]
 
 
+def draw_groups_keyed(draft_probs: torch.Tensor, groups: torch.Tensor, num_groups: int, count: int,
+                      group_noise: torch.Tensor, id_noise: torch.Tensor) -> tuple[list[int], list[int]]:
+    """`draw_groups_without_replacement` with the groups racing on given noise: (Vt,) `group_noise`, under the
+    keyed sampler the target's keyed noise at the root's position (keyed.Coupling.row). The groups are the top
+    `count` of Q(group) / E(group) (a draw without replacement from Q, the first of them Q's race on the target's
+    noise: reference/keyed.py, item 6); each group's draft id is the top of its ids' draft_probs / id_noise (a
+    draw from the draft restricted to the group). One host transfer."""
+    q = grouped_distribution(draft_probs, groups, num_groups)  # (Vt,)
+    top_keys, top_groups = (q / group_noise.to(q.device)).topk(min(count, num_groups))  # (m,)
+    keys = torch.where(groups >= 0, draft_probs / id_noise, torch.zeros_like(draft_probs))  # (Vd,)
+    ids = torch.where(groups == top_groups[:, None], keys, -1.0).argmax(dim=-1)  # (m,)
+    chosen, draft_ids, drawn = torch.stack([top_groups, ids, (top_keys > 0).long()]).tolist()
+    n = sum(drawn)  # NOTE: keys > 0 come first, so the drawn groups are a prefix
+    return chosen[:n], draft_ids[:n]
+
+
 def verify_greedy(target_logits: torch.Tensor, proposal_ids: torch.Tensor | list[int]) -> tuple[int, int]:
     """(K+1, Vt) logits and (K,) proposals (a tensor or host ids) -> (num_accepted, next_token).
 
