@@ -9,10 +9,11 @@ Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)`
 library's defaults (adaptive K, the fallback, healing): `onehot` (proposal="onehot", the residual rule), `auto`
 (proposal="auto", the default for sampled chains across tokenizers), `keyed` (keyed=True with the default
 proposal="auto": proposals accepted iff they equal the target's keyed sample, intersection draws coupled to its
-noise), `keyed_onehot` (keyed=True, proposal="onehot"). Every prompt runs every system in each round, in an order
+noise), `keyed_onehot` (keyed=True, proposal="onehot"), `tree4` (tree_width=4: a sampled root, one-hot nodes below)
+and `keyed_tree4` (the same keyed: the root's candidates race on the target's keyed noise). Every prompt runs every system in each round, in an order
 that alternates by prompt and round (ABC, CBA, ...), after one warm-up generation per system; a system's time for
-a prompt is its median over rounds. Ratios are paired per prompt: keyed / onehot, keyed / auto and keyed_onehot /
-onehot, the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed
+a prompt is its median over rounds. Ratios are paired per prompt (keyed / onehot, keyed / auto, keyed_onehot /
+onehot, keyed_tree4 / tree4, keyed_tree4 / keyed), the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed
 noise's own cost per cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
 """
 
@@ -29,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SYSTEMS = {"onehot": dict(proposal="onehot"), "auto": dict(proposal="auto"), "keyed": dict(keyed=True),
-           "keyed_onehot": dict(keyed=True, proposal="onehot")}
-PAIRS = [("keyed", "onehot"), ("keyed", "auto"), ("keyed_onehot", "onehot")]  # (numerator, denominator)
+           "keyed_onehot": dict(keyed=True, proposal="onehot"), "tree4": dict(tree_width=4),
+           "keyed_tree4": dict(keyed=True, tree_width=4)}
+PAIRS = [("keyed", "onehot"), ("keyed", "auto"), ("keyed_onehot", "onehot"), ("keyed_tree4", "tree4"),
+         ("keyed_tree4", "keyed")]  # (numerator, denominator)
 
 
 def build_parser() -> argparse.ArgumentParser:
