@@ -32,7 +32,15 @@ from .runtime.models import (
 )
 from .text import chat
 from .text.codec import TokenCodec
-from .types import GenerationResult, GenerationStats, SamplingParams, SpecConfig, XTokSpecError, check_prompt
+from .types import (
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    SpecConfig,
+    XTokSpecError,
+    check_prompt,
+    is_int,
+)
 
 log = logging.getLogger("xtokspec")
 
@@ -260,7 +268,7 @@ def prompt_ids(spec: XTokSpec, prompt, max_new_tokens, draft_prompt=None, specia
     """Both models' prompt ids, checked (the draft's from `draft_prompt` if given; `special=False`: no BOS added,
     the text has its own special tokens, as a chat template's does)."""
     check_prompt(prompt)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise XTokSpecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     with no_length_warning(spec.target_tokenizer, spec.draft_tokenizer):  # NOTE: check_length names it
         target_ids = spec.target.encode_prompt(prompt, special)

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
 
 
+
+def is_int(value) -> bool:
+    """An int that is not a bool (True passes isinstance(..., int), and is no count of anything)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
 class ProposalKind(enum.Enum):
     """How a generation's proposals reach the target (options.proposal_kind chooses; decode.assemble builds the
     mapper for it). The value is the name statistics and reports show."""
@@ -139,7 +144,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "max_draft_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise XTokSpecError(f"{name} must be an integer, got {value!r}")
         if not 1 <= self.num_draft_tokens <= self.max_draft_tokens:
             raise XTokSpecError(
@@ -169,7 +174,7 @@ class SpecConfig:
                                 f"({4 * self.max_draft_tokens}), got {self.draft_context!r}")
         for name in ("tree_width", "max_tree_nodes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise XTokSpecError(f"{name} must be an integer >= 1, got {value!r}")
 
 

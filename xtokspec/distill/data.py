@@ -15,7 +15,7 @@ import torch
 from ..runtime.kv import input_device
 from ..runtime.models import eos_ids
 from ..text.codec import utf8_valid_prefix_len
-from ..types import XTokSpecError
+from ..types import XTokSpecError, is_int
 
 REPORT_FILE = "distill_report.json"
 DATA_FILE = "distill_data.jsonl"
@@ -63,13 +63,13 @@ class DistillSettings:
         for name in ("new_tokens", "gen_batch", "max_steps", "batch_size", "max_length", "lora_rank",
                      "eval_new_tokens", "token_top_k"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise XTokSpecError(f"{name} must be a positive integer, got {value!r}")
         if self.max_prompts is not None and self.max_prompts <= 0:
             raise XTokSpecError(f"max_prompts must be a positive integer, got {self.max_prompts!r}")
         for name in ("eval_count", "agreement_count"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise XTokSpecError(f"{name} must be 0 or more, got {value!r}")
         if self.prompt_chars is not None and not 0 < self.prompt_chars[0] <= self.prompt_chars[1]:
             raise XTokSpecError(f"prompt_chars must be (min, max) with 0 < min <= max, got {self.prompt_chars!r}")

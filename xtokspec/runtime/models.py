@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..types import XTokSpecError
+from ..types import XTokSpecError, is_int
 
 FIXTURE_NAMES = ("ja-target", "ja-draft-same", "ja-draft-bpe")
 
@@ -350,7 +350,7 @@ def choose_draft_vocab(codec, texts, size: int, always=()) -> DraftVocab:
     if not texts:
         raise XTokSpecError("draft_vocab: give calibration text (a list of strings in the domain you will generate)")
     vocab = codec.vocab_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size) or size < 1:
         raise XTokSpecError(f"draft_vocab: size must be a positive integer, got {size!r}")
     base = dict.fromkeys([*sorted(always), *(i for i, b in enumerate(codec.token_bytes) if len(b) == 1)])
     if size < len(base):

@@ -55,7 +55,7 @@ from ..runtime.kv import context_limit, sliding_layers
 from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
 from ..text.chat import DraftView
 from ..text.codec import TokenCodec
-from ..types import Laps, XTokSpecError
+from ..types import Laps, XTokSpecError, is_int
 from .batch import draft_together, prefill_tail
 from .cpu_sampling import repair_cpu_sampling
 from .drafts import RequestDraft
@@ -182,7 +182,7 @@ class TextBridgeProposer:
                 texts = [line for line in f.read().splitlines() if line.strip()]
         except OSError as err:
             raise XTokSpecError(f"{TRIM_TEXT_KEY}: cannot read the calibration text {path!r} ({err})") from err
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise XTokSpecError(f"{TRIM_SIZE_KEY}: a positive number of ids, got {size!r}")
         vocab = choose_draft_vocab(self.pair.draft, texts, size, self.pair.draft_eos)
         self.draft_model = trimmed_draft(self.draft_model, vocab.keep)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import XTokSpecError
+from ..types import XTokSpecError, is_int
 
 DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder, a hub id, a bundled name)
 DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
@@ -84,10 +84,6 @@ class ProposerSettings:
                    trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, memory_mib=mib,
                    prefill_chunk=chunk, healing=bool(extra.get(HEALING_KEY, True)),
                    adaptive=bool(extra.get(ADAPTIVE_KEY, True)), idle_calls=idle)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
