@@ -67,7 +67,7 @@ class LinearCosts:
         self.points: dict[tuple, tuple[np.ndarray, float, int]] = {}  # size -> ((1, *size), median, count)
         self.gram = np.zeros((features + 1, features + 1))  # sum of count * x x^T
         self.moment = np.zeros(features + 1)  # sum of count * median * x
-        self.coef: np.ndarray | None = None
+        self.coef: list[float] | None = None
 
     def observe(self, size: tuple, seconds: float) -> None:
         size = tuple(size)
@@ -92,8 +92,9 @@ class LinearCosts:
         if not self.times:
             return 0.0
         if self.coef is None:
-            self.coef = self._fit()
-        return max(0.0, float(self.coef @ np.array([1.0, *size])))
+            self.coef = self._fit().tolist()  # NOTE: floats: a policy asks dozens of sizes per step, and a NumPy
+            # product of three numbers costs more than the Python sum
+        return max(0.0, self.coef[0] + sum(c * x for c, x in zip(self.coef[1:], size, strict=True)))
 
     def _fit(self) -> np.ndarray:
         """The normal equations of the weighted fit (the ridge on the free slopes only); a negative slope is
