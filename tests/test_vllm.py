@@ -1023,12 +1023,14 @@ def vllm_outputs(request, heldout_prompts):
         results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
         del llm
         gc.collect()
-    if parts & (SAMPLED_PARTS | {"sampling"}):  # the proposer's sampled runs, K ids drafted at every step
+    if parts & (SAMPLED_PARTS | {"sampling", "fixed batch"}):  # the proposer drafting K ids at every step
         earlier = set(TextBridgeProposer.instances)
         llm = LLM(**llm_kwargs(speculative_config=SPEC_CONFIG, additional_config=FIXED_K_CONFIG))
         (proposer,) = [p for p in TextBridgeProposer.instances if p not in earlier]
         if "sampling" in parts:
             results["proposer"]["sampling"], results["counts"]["sampling"] = counted(runs["sampling"], llm)
+        if "fixed batch" in parts:  # greedy: what K drafted ids every step accept, whatever the machine's speed
+            results["proposer"]["fixed batch"], results["counts"]["fixed batch"] = counted(runs["batch"], llm)
         results["sampled"] = run_sampled(llm, proposer, parts, sample_prompt)
         del llm, proposer
         gc.collect()
@@ -1242,18 +1244,26 @@ def test_vllm_a_batch_mixing_greedy_temperature_and_top_k_follows_each_requests_
 
 @needs_vllm
 @pytest.mark.vllm
-@uses("single", "batch")
+@uses("single", "batch", "fixed batch")
 def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
+    """vLLM's spec-decode metrics see the proposer's drafts and their acceptance. The share is held to its bar
+    where K ids are drafted at every step (`fixed batch`, 8 greedy requests at once, whose output must also be the
+    target alone's): the default per-request lengths follow this machine's timings, and at batch 8 may draft only
+    a probe or two, so there the greedy parts must only show drafts accepted."""
+    adaptive = [0, 0]
     for case, (drafted, accepted) in vllm_outputs["counts"].items():
-        if case not in ("single", "batch"):  # greedy drafts against T=1 samples, or hostile text: not held to the bar
-            print(f"{case}: {accepted} of {drafted} drafted tokens accepted")
-            assert drafted > 0 and accepted > 0, f"{case}: the proposer's drafts were never accepted"
-            continue
+        print(f"{case}: {accepted} of {drafted} drafted tokens accepted")
         record_property(f"{case}_drafted_accepted", f"{drafted}/{accepted}")
-        assert drafted > 0, f"{case}: vLLM's metrics saw no drafted tokens"
-        # NOTE: 22-27% measured on these prompts; vLLM's TLI with the same draft accepts ~1% (benchmarks/vllm_bench.py)
-        assert accepted / drafted >= 0.15, f"{case}: {accepted} of {drafted} drafted tokens accepted"
-        print(f"{case}: {accepted} of {drafted} drafted tokens accepted ({accepted / drafted:.1%})")
+        if case in ("single", "batch"):
+            adaptive[0] += drafted
+            adaptive[1] += accepted
+        elif case == "fixed batch":
+            # NOTE: 22-27% measured on these prompts; vLLM's TLI with the same draft accepts ~1% (vllm_bench.py)
+            assert drafted > 0 and accepted / drafted >= 0.15, f"{case}: {accepted} of {drafted} accepted"
+        else:  # greedy drafts against T=1 samples, or hostile text: not held to the bar
+            assert drafted > 0 and accepted > 0, f"{case}: the proposer's drafts were never accepted"
+    assert adaptive[0] > 0 and adaptive[1] > 0, f"per-request lengths: {adaptive[1]} of {adaptive[0]} accepted"
+    assert vllm_outputs["proposer"]["fixed batch"] == vllm_outputs["alone"]["batch"]
     (proposer,) = vllm_outputs["proposers"]
     assert proposer.stats.rows > 0 and proposer.states <= 2 * 8
 
@@ -1353,7 +1363,7 @@ def test_vllm_serve_answers_concurrent_requests_as_the_target_alone(vllm_server,
     server answers again after it; its spec-decode counters show the proposer drafting. The server runs the default
     configuration, so the proposer chooses its draft lengths from the steps' timings: how many it drafts, and so how
     many are accepted, depends on the machine's speed; the acceptance rate is held to its bar offline, on fixed
-    prompts (test_vllm_reports_drafts_accepted)."""
+    prompts at a fixed K (test_vllm_reports_drafts_accepted)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=REQUEST_S, max_retries=0)
