@@ -84,12 +84,12 @@ def noise_cost(vocab: int, device: str = "cpu", rows: int = 5, repeats: int = 20
     from xtokspec.decode import keyed
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    keyed.noise(0, torch.arange(rows, device=device), vocab)
+    keyed.noise(0, range(rows), vocab, device=device)
     times = []
     for n in range(repeats):
         sync()
         t0 = time.perf_counter()
-        keyed.noise(n, torch.arange(rows, device=device), vocab)
+        keyed.noise(n, range(rows), vocab, device=device)
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)

@@ -35,6 +35,28 @@ def test_the_hash_gives_the_references_bits_and_noise_strictly_inside(seed):
     assert abs(float(noise.double().mean()) - 1.0) < 0.02  # Exp(1): mean 1 (100,000 draws, sd 0.0032)
 
 
+def test_the_noise_runs_a_fixed_handful_of_tensor_operations():
+    """A cycle's noise is (K + 1) x vocabulary values, but on a GPU its cost is its kernel launches: the positions'
+    keys are hashed on the host, so one call runs the hash's dozen operations over the whole table once, however
+    many positions it keys (21 operators, the copy of the row keys included; 45 when the rows were hashed on the
+    device too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    keyed.noise(1, range(5), 3000)  # the vocabulary's token keys, computed once
+    for positions in (range(1), range(40, 45), list(range(100, 164))):
+        Count.calls = 0
+        with Count():
+            keyed.noise(9, positions, 3000)
+        assert Count.calls <= 22, (len(positions), Count.calls)
+
+
 def test_chain_verification_matches_the_reference_rule():
     rng = np.random.default_rng(3)
     for trial in range(200):

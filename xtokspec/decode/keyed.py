@@ -6,7 +6,8 @@ which draws v with probability p(v). Here E is not drawn from a generator but co
 a counter-based hash of (seed, position, v) mapped into (0, 1) — 24 random bits, strictly inside the interval, so
 E is strictly positive and finite (a zero would give p / 0, which argmax could pick). The hash is integer
 arithmetic on int64 tensors holding 32-bit values (a product's low 32 bits, whether or not the product wrapped
-around), so the same bits come out on any device.
+around), so the same bits come out on any device; a position's own key is computed on the host, in Python
+integers, and only the (positions x vocabulary) part on the tensors' device.
 
 Verifying a one-hot proposal x at a position under this rule: accept iff x equals that position's keyed sample y;
 on a rejection y itself is emitted. Acceptance then happens with probability p(x), as in the usual one-hot rule,
@@ -59,33 +60,54 @@ def token_keys(ids: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return _TOKEN_KEYS[key]
 
 
-def uniforms(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor, keys: torch.Tensor | None = None
-             ) -> torch.Tensor:
-    """(N,) int64 positions -> (N, vocab) float64 U(0, 1) values keyed by (seed, position, token id); `vocab` a
-    tensor of ids ((N, M) or (M,)) gives those ids' values only; `keys`: those ids' `token_keys`, computed once."""
-    device = positions.device
-    base = fmix32(torch.tensor(fold(seed) ^ SEED_SALT, dtype=torch.int64, device=device))
-    rows = fmix32(base ^ mul32(positions.to(torch.int64) & MASK, POSITION_MUL))  # (N,)
+def row_keys(seed: int, positions) -> list[int]:
+    """Each output position's row key, fmix32(fmix32(fold(seed) ^ SEED_SALT) ^ position * POSITION_MUL), in
+    Python integers: a handful of positions a cycle, each a dozen integer operations that on a GPU would each be a
+    kernel launch."""
+    base = _fmix32_int(fold(seed) ^ SEED_SALT)
+    return [_fmix32_int(base ^ (((int(p) & MASK) * POSITION_MUL) & MASK)) for p in positions]
+
+
+def _fmix32_int(h: int) -> int:
+    """`fmix32` on one Python integer in [0, 2^32)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK
+    return h ^ (h >> 16)
+
+
+def uniforms(seed: int, positions, vocab: int | torch.Tensor, keys: torch.Tensor | None = None,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """(N,) output positions (host integers, or a tensor) -> (N, vocab) float64 U(0, 1) values keyed by (seed,
+    position, token id), on `device` (default: the positions', else `keys`' device); `vocab` a tensor of ids
+    ((N, M) or (M,)) gives those ids' values only; `keys`: those ids' `token_keys`, computed once."""
+    if device is None:
+        device = positions.device if isinstance(positions, torch.Tensor) else keys.device if keys is not None \
+            else torch.device("cpu")
+    if isinstance(positions, torch.Tensor):
+        positions = positions.tolist()
+    rows = torch.tensor(row_keys(seed, positions), dtype=torch.int64).to(device)  # (N,): one copy to the device
     h = fmix32(rows[:, None] ^ (keys if keys is not None else token_keys(vocab, device)))  # (N, V)
     # NOTE: 24 bits plus a half: strictly inside (0, 1), exact in float32 and float64 alike
     return h.bitwise_right_shift_(8).to(torch.float64).add_(0.5).div_(float(1 << 24))
 
 
-def noise(seed: int, positions: torch.Tensor, vocab: int | torch.Tensor, keys: torch.Tensor | None = None
-          ) -> torch.Tensor:
+def noise(seed: int, positions, vocab: int | torch.Tensor, keys: torch.Tensor | None = None,
+          device: torch.device | str | None = None) -> torch.Tensor:
     """(N, vocab) float32 Exp(1) noise keyed by (seed, position, token id): -log U, strictly positive (`vocab`:
     a size, or the ids to compute, as in `uniforms`)."""
-    return uniforms(seed, positions, vocab, keys).log_().neg_().to(torch.float32)
+    return uniforms(seed, positions, vocab, keys, device).log_().neg_().to(torch.float32)
 
 
-def samples(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+def samples(probs: torch.Tensor, seed: int, positions) -> torch.Tensor:
     """(N, V) distributions at the (N,) output positions -> (N,) their keyed samples, argmax_v p(v) / E(v)."""
-    return torch.argmax(probs / noise(seed, positions.to(probs.device), probs.shape[-1]), dim=-1)
+    return torch.argmax(probs / noise(seed, positions, probs.shape[-1], device=probs.device), dim=-1)
 
 
 def sample(probs_row: torch.Tensor, seed: int, position: int) -> int:
     """One distribution (V,) at one output position -> its keyed sample."""
-    return int(samples(probs_row[None], seed, torch.tensor([position]))[0])
+    return int(samples(probs_row[None], seed, [position])[0])
 
 
 def chain(probs: torch.Tensor, proposals: list[int], seed: int, first: int) -> tuple[int, int]:
@@ -94,7 +116,7 @@ def chain(probs: torch.Tensor, proposals: list[int], seed: int, first: int) -> t
     and only up to the first rejection (the noise is a pass over the vocabulary per row: K + 1 rows of Qwen's
     151,936 ids would cost a fifth of its step); on a GPU all at once, in one transfer."""
     if probs.device.type != "cpu":
-        ids = samples(probs, seed, torch.arange(first, first + len(proposals) + 1)).tolist()
+        ids = samples(probs, seed, range(first, first + len(proposals) + 1)).tolist()
         return verify_chain(ids, proposals)
     for i, x in enumerate(proposals):
         y = sample(probs[i], seed, first + i)
@@ -114,7 +136,7 @@ def verify_chain(samples_at: list[int], proposals: list[int]) -> tuple[int, int]
 def margin(probs: torch.Tensor, seed: int, position: int) -> float:
     """A keyed sample's margin at one position: the gap between the top two of log p - log E (0: a tie that
     floating-point differences between two runs could flip)."""
-    keys = torch.log(probs.float()) - torch.log(noise(seed, torch.tensor([position]), probs.shape[-1])[0]).to(probs.device)
+    keys = torch.log(probs.float()) - torch.log(noise(seed, [position], probs.shape[-1], device=probs.device)[0])
     top = torch.topk(keys, 2).values
     return float(top[0] - top[1])
 
@@ -141,12 +163,10 @@ class Coupling:
     def row(self, vocab: int, device: torch.device) -> torch.Tensor:
         """(vocab,) the noise of every target id at the next output position past the committed ones: a tree's
         sampled root races its candidate groups (target ids) on it (sampling.draw_groups_keyed)."""
-        position = torch.tensor([len(self.target.ids) - self.start], device=device)
-        return noise(self.seed, position, vocab)[0]
+        return noise(self.seed, [len(self.target.ids) - self.start], vocab, device=device)[0]
 
     def noise(self, offsets: int) -> torch.Tensor:
         """(offsets, Vd) the noise of the draft's ids at the next `offsets` target output positions past the
         committed ones, in one pass (a chain's K drafted ids race on K rows)."""
         first = len(self.target.ids) - self.start
-        positions = torch.arange(first, first + offsets, device=self.keys.device)
-        return noise(self.seed, positions, self.keys.shape[-1], self.keys)
+        return noise(self.seed, range(first, first + offsets), self.keys.shape[-1], self.keys)
