@@ -30,6 +30,8 @@
 #                                  # the 13B shapes with the bridged draft first
 #   bash benchmarks/gpu_run.sh 24  # the default (CUDA graphs) measured: parts 15's and 16's recording and step costs
 #                                  # at the 13B and 7B/1B shapes, a fresh first generate; the keyed sampler on CUDA
+#   bash benchmarks/gpu_run.sh 25  # the CUDA tests but inductor's (the placements' seeded asserts), the keyed tests,
+#                                  # the keyed sampler against one-hot and auto on the fixtures (host-hashed row keys)
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -231,6 +233,15 @@ case "${1:-1}" in
   step 30 keyed-noise python3 benchmarks/keyed_bench.py --noise-only --device cuda --out "$OUT/keyed-noise/results.json"
   step 80 keyed-bench python3 benchmarks/keyed_bench.py --device cuda --prompts 16 --rounds 1 --fixed-k 4 \
     --systems onehot,auto,keyed --out "$OUT/keyed-bench/results.json"
+  ;;
+25)  # what part 24 left to check: the CUDA tests but inductor's, in parallel (the placements test's seeded asserts:
+     # a repeat at a fixed K, the keyed sample the target alone's), the keyed tests; then the keyed sampler's speed
+     # on the fixtures, its noise's row keys now hashed on the host (part 24: keyed / auto 0.739 [0.661])
+  XTOKSPEC_TEST_DEVICE=cuda step 200 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -n 8 -rfE \
+    --durations=8 tests/test_gpu.py tests/test_keyed.py -k "not compiled"
+  step 40 keyed-noise python3 benchmarks/keyed_bench.py --noise-only --device cuda --out "$OUT/keyed-noise/results.json"
+  step 150 keyed-bench python3 benchmarks/keyed_bench.py --device cuda --prompts 32 --rounds 1 --fixed-k 4 \
+    --systems onehot,auto,keyed,tree4,keyed_tree4 --out "$OUT/keyed-bench/results.json"
   ;;
 esac
 # one archive: the device returns at most 8 files
