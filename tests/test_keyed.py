@@ -254,7 +254,8 @@ def test_coupled_draws_are_accepted_more_and_give_the_same_text(bridged_spec, he
 
 
 def test_a_keyed_tree_roots_groups_race_on_the_targets_noise():
-    """sampling.draw_groups_keyed with keyed.Coupling.row's noise (reference/keyed.py, item 6): the root's groups
+    """sampling.draw_groups_without_replacement with group keys on keyed.Coupling.row's noise (reference/keyed.py,
+    item 6): the root's groups
     are the reference's coupled roots of the draft's distribution moved onto the target's ids, and each group's
     draft id is one of that group's ids with mass."""
     from xtokspec.decode import sampling
@@ -270,10 +271,10 @@ def test_a_keyed_tree_roots_groups_race_on_the_targets_noise():
         probs = torch.tensor(rng.dirichlet(np.full(draft_vocab, 0.3)), dtype=torch.float32)
         width = int(rng.integers(1, 6))
         id_noise = torch.empty(draft_vocab).exponential_(generator=torch.Generator().manual_seed(trial))
-        chosen, draft_ids = sampling.draw_groups_keyed(probs, groups, target_vocab, width,
-                                                      coupling.row(target_vocab, torch.device("cpu")), id_noise)
-        q = sampling.grouped_distribution(probs, groups, target_vocab).double().numpy()
-        assert chosen == reference.coupled_roots(q, seed, 6, width), trial
+        q = sampling.grouped_distribution(probs, groups, target_vocab)
+        chosen, draft_ids = sampling.draw_groups_without_replacement(
+            probs, groups, target_vocab, width, id_noise, q / coupling.row(target_vocab, torch.device("cpu")))
+        assert chosen == reference.coupled_roots(q.double().numpy(), seed, 6, width), trial
         assert all(int(groups[d]) == g and float(probs[d]) > 0 for g, d in zip(chosen, draft_ids, strict=True))
 
 
@@ -294,8 +295,8 @@ def test_keyed_tree_roots_coupled_are_accepted_more_and_give_the_same_text(bridg
 
     coupled_text, coupled = run()
     apart = sampling.draw_groups_without_replacement
-    monkeypatch.setattr(sampling, "draw_groups_keyed",
-                        lambda probs, groups, vocab, count, _noise, id_noise: apart(probs, groups, vocab, count, id_noise))
+    monkeypatch.setattr(sampling, "draw_groups_without_replacement",
+                        lambda probs, groups, vocab, count, noise, _group_keys: apart(probs, groups, vocab, count, noise))
     apart_text, drawn_apart = run()
     print(f"keyed tree roots: {coupled} accepted coupled, {drawn_apart} drawn apart")
     assert coupled_text == apart_text

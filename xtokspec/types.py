@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 PROPOSAL_KINDS = ("auto", "onehot", "intersection")
 
 
-
 def is_int(value) -> bool:
     """An int that is not a bool (True passes isinstance(..., int), and is no count of anything)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
 
 class ProposalKind(enum.Enum):
     """How a generation's proposals reach the target (options.proposal_kind chooses; decode.assemble builds the

@@ -162,7 +162,7 @@ class Coupling:
 
     def row(self, vocab: int, device: torch.device) -> torch.Tensor:
         """(vocab,) the noise of every target id at the next output position past the committed ones: a tree's
-        sampled root races its candidate groups (target ids) on it (sampling.draw_groups_keyed)."""
+        sampled root races its candidate groups (target ids) on it (sampling.draw_groups_without_replacement)."""
         return noise(self.seed, [len(self.target.ids) - self.start], vocab, device=device)[0]
 
     def noise(self, offsets: int) -> torch.Tensor:

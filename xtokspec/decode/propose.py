@@ -307,13 +307,11 @@ class TreeProposer:
         """The root's candidates drawn from the draft's (Vd,) distribution: ([(log-probability, row 0, draft id,
         target id)] in draw order, (target ids, (Vt,) the distribution they were drawn from))."""
         noise = sampling.exponential_noise(probs.shape, self.generator, probs.device)  # (Vd,)
-        if self.coupling is not None:
-            groups, draft_ids = sampling.draw_groups_keyed(probs, self.root_groups, self.target_vocab, self.width,
-                                                           self.coupling.row(self.target_vocab, probs.device), noise)
-        else:
-            groups, draft_ids = sampling.draw_groups_without_replacement(probs, self.root_groups, self.target_vocab,
-                                                                         self.width, noise)
         root_q = sampling.grouped_distribution(probs, self.root_groups, self.target_vocab)  # (Vt,)
+        # under the keyed sampler the groups race on the target's keyed noise at the root's position
+        group_keys = None if self.coupling is None else root_q / self.coupling.row(self.target_vocab, probs.device)
+        groups, draft_ids = sampling.draw_groups_without_replacement(probs, self.root_groups, self.target_vocab,
+                                                                     self.width, noise, group_keys)
         scores = probs[to_device(draft_ids, probs.device)].log().tolist() if draft_ids else []
         chosen = [(score, 0, d, g) for score, d, g in zip(scores, draft_ids, groups, strict=True)]
         return chosen, (groups, root_q)

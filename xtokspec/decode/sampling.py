@@ -133,35 +133,23 @@ def grouped_distribution(draft_probs: torch.Tensor, groups: torch.Tensor, num_gr
 
 
 def draw_groups_without_replacement(draft_probs: torch.Tensor, groups: torch.Tensor, num_groups: int, count: int,
-                                    noise: torch.Tensor) -> tuple[list[int], list[int]]:
+                                    noise: torch.Tensor, group_keys: torch.Tensor | None = None
+                                    ) -> tuple[list[int], list[int]]:
     """Up to `count` distinct groups drawn in turn without replacement from `grouped_distribution`, each with
     the draft id that represents it -> (group ids in draw order, their draft ids). One host transfer.
 
     An exponential race over draft ids (key probs / noise, noise (Vd,) Exp(1)): a group's key is the largest of
     its ids' keys, which is 1 / Exp(rate Q(group)), so the groups sorted by key are a draw without
     replacement from Q (the Gumbel-top-k trick), and a group's best id is drawn from the draft restricted to
-    the group. Groups with no mass are never drawn."""
+    the group. Groups with no mass are never drawn. `group_keys` (Vt,): the groups' keys given instead, under the
+    keyed sampler Q(group) / E(group) on the target's keyed noise at the root's position (keyed.Coupling.row;
+    reference/keyed.py, item 6), the ids within each group still raced on `noise`."""
     keys = torch.where(groups >= 0, draft_probs / noise, torch.zeros_like(draft_probs))  # (Vd,)
-    group_keys = torch.zeros(num_groups, dtype=keys.dtype, device=keys.device)
-    group_keys.scatter_reduce_(0, groups.clamp(min=0), keys, reduce="amax")  # (Vt,); ungrouped ids add key 0
+    if group_keys is None:
+        group_keys = torch.zeros(num_groups, dtype=keys.dtype, device=keys.device)
+        group_keys.scatter_reduce_(0, groups.clamp(min=0), keys, reduce="amax")  # (Vt,); ungrouped ids add key 0
     top_keys, top_groups = group_keys.topk(min(count, num_groups))  # (m,)
-    ids = ((groups == top_groups[:, None]) & (keys == top_keys[:, None])).int().argmax(dim=-1)  # (m,)
-    chosen, draft_ids, drawn = torch.stack([top_groups, ids, (top_keys > 0).long()]).tolist()
-    n = sum(drawn)  # NOTE: keys > 0 come first, so the drawn groups are a prefix
-    return chosen[:n], draft_ids[:n]
-
-
-def draw_groups_keyed(draft_probs: torch.Tensor, groups: torch.Tensor, num_groups: int, count: int,
-                      group_noise: torch.Tensor, id_noise: torch.Tensor) -> tuple[list[int], list[int]]:
-    """`draw_groups_without_replacement` with the groups racing on given noise: (Vt,) `group_noise`, under the
-    keyed sampler the target's keyed noise at the root's position (keyed.Coupling.row). The groups are the top
-    `count` of Q(group) / E(group) (a draw without replacement from Q, the first of them Q's race on the target's
-    noise: reference/keyed.py, item 6); each group's draft id is the top of its ids' draft_probs / id_noise (a
-    draw from the draft restricted to the group). One host transfer."""
-    q = grouped_distribution(draft_probs, groups, num_groups)  # (Vt,)
-    top_keys, top_groups = (q / group_noise.to(q.device)).topk(min(count, num_groups))  # (m,)
-    keys = torch.where(groups >= 0, draft_probs / id_noise, torch.zeros_like(draft_probs))  # (Vd,)
-    ids = torch.where(groups == top_groups[:, None], keys, -1.0).argmax(dim=-1)  # (m,)
+    ids = torch.where(groups == top_groups[:, None], keys, -1.0).argmax(dim=-1)  # (m,): each group's largest key
     chosen, draft_ids, drawn = torch.stack([top_groups, ids, (top_keys > 0).long()]).tolist()
     n = sum(drawn)  # NOTE: keys > 0 come first, so the drawn groups are a prefix
     return chosen[:n], draft_ids[:n]
