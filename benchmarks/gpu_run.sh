@@ -242,6 +242,8 @@ case "${1:-1}" in
   step 40 keyed-noise python3 benchmarks/keyed_bench.py --noise-only --device cuda --out "$OUT/keyed-noise/results.json"
   step 150 keyed-bench python3 benchmarks/keyed_bench.py --device cuda --prompts 32 --rounds 1 --fixed-k 4 \
     --systems onehot,auto,keyed,tree4,keyed_tree4 --out "$OUT/keyed-bench/results.json"
+  step 200 keyed-bench3 python3 benchmarks/keyed_bench.py --device cuda --prompts 32 --rounds 3 --fixed-k 4 \
+    --systems onehot,keyed --out "$OUT/keyed-bench3/results.json"
   ;;
 esac
 # one archive: the device returns at most 8 files
