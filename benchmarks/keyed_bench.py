@@ -48,12 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all); pairs of them are reported")
     parser.add_argument("--device", default="cpu", help="where the fixture pair runs (cuda: the GPU figures)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the real pair's weights (float32 on a CPU without bfloat16 units)")
     parser.add_argument("--noise-only", action="store_true", help="only the keyed noise's cost on --device")
     parser.add_argument("--out", type=Path, help="write results.json (and results.md beside it) here")
     return parser
 
 
-def load(preset: str, device: str):
+def load(preset: str, device: str, dtype: str = "bfloat16"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,7 +73,7 @@ def load(preset: str, device: str):
     if device != "cpu":
         raise SystemExit("--preset real runs on the CPU here (the real weights do not travel to a GPU machine)")
     spec = XTokSpec(str(real_model_dir("qwen2.5-coder-1.5b")), str(real_model_dir("gemma-3-270m")),
-                    large_kwargs={"dtype": torch.bfloat16}, small_kwargs={"dtype": torch.bfloat16})
+                    large_kwargs={"dtype": getattr(torch, dtype)}, small_kwargs={"dtype": getattr(torch, dtype)})
     lines = (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines()
     return spec, [line for line in lines if 40 <= len(line) <= 120]
 
@@ -115,7 +117,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
         return
-    spec, prompts = load(args.preset, args.device)
+    spec, prompts = load(args.preset, args.device, args.dtype)
     prompts = prompts[: args.prompts]
     for name in names:  # warm-up
         spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
@@ -147,7 +149,8 @@ def main() -> None:
     costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab, args.device),
              "noise_s_5_rows_151936": noise_cost(151936, args.device)}
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
-    header = (f"keyed sampler ({machine}, 1 torch thread), {args.preset} pair, T={args.temperature}, "
+    header = (f"keyed sampler ({machine}, 1 torch thread), {args.preset} pair"
+              + (f" ({args.dtype})" if args.preset == "real" else "") + f", T={args.temperature}, "
               f"{len(prompts)} prompts x {args.new_tokens} tokens, {args.rounds} rounds, "
               + ("adaptive defaults" if args.fixed_k is None else f"K={args.fixed_k} every cycle"))
     lines = [header, "", "| system | tokens/s (median over prompts) | tokens per target call |", "|---|---|---|"]
