@@ -32,6 +32,8 @@
 #                                  # at the 13B and 7B/1B shapes, a fresh first generate; the keyed sampler on CUDA
 #   bash benchmarks/gpu_run.sh 25  # the CUDA tests but inductor's (the placements' seeded asserts), the keyed tests,
 #                                  # the keyed sampler against one-hot and auto on the fixtures (host-hashed row keys)
+#   bash benchmarks/gpu_run.sh 26  # the vLLM proposer's drafting way chosen per step: its CUDA tests, the draft
+#                                  # forwards' cost four ways, the proposer's own time per step by way and batch
 # Each step has its own time limit and writes under $OUT, so a step that fails or runs long loses only itself.
 set -u
 OUT=${OUT:-bench-out/gpu}
@@ -244,6 +246,15 @@ case "${1:-1}" in
     --systems onehot,auto,keyed,tree4,keyed_tree4 --out "$OUT/keyed-bench/results.json"
   step 200 keyed-bench3 python3 benchmarks/keyed_bench.py --device cuda --prompts 32 --rounds 3 --fixed-k 4 \
     --systems onehot,keyed --out "$OUT/keyed-bench3/results.json"
+  ;;
+26)  # captured drafts by default on a GPU, each step drafting the cheaper of batched forwards over the requests'
+     # static caches and each request's CUDA graphs: the CUDA tests (proposals equal eager ones, both ways used; the
+     # keyed tree roots' bar), the draft forwards' cost four ways by batch, the proposer's own ms per step by way
+  XTOKSPEC_TEST_DEVICE=cuda step 150 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rfE -n 4 \
+    tests/test_vllm.py tests/test_keyed.py -k "captured_drafts or step_by_step_choice or static_draft_caches or tree_roots_coupled"
+  step 170 batch-drafts-ways python3 benchmarks/batch_draft_cost.py --device cuda --drafts fixture smollm2 \
+    --batches 1 2 4 8 16 32 --reps 5 --captured --out "$OUT/batch-drafts-ways"
+  step 150 proposer-ways python3 benchmarks/proposer_ways.py --device cuda --batches 1 2 4 8 16 --out "$OUT/proposer-ways"
   ;;
 esac
 # one archive: the device returns at most 8 files

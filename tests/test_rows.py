@@ -158,3 +158,23 @@ def test_the_cost_of_probing_is_bounded_where_drafting_never_pays():
 def test_expected_tokens_weighs_the_choice():
     """The criterion's arithmetic: at acceptance 0.5 three proposals commit 1.875 tokens on average."""
     assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+
+
+def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmeasured_one_is_tried():
+    """`RowDraftLengths.way`: batched forwards cost k * draft(m), each request's own forwards sum K_i * alone(m);
+    with a batched forward at 3 ms (2 requests) to 4 ms (8) and one request's at 1 ms, 2 requests drafting 3 each
+    go alone (6 ms against 9) and 8 go batched (12 ms against 24); a way never measured is chosen, so that it gets
+    measured; one request always drafts alone."""
+    policy = RowDraftLengths(3)
+    both = ("batched", "alone")
+    policy.observe_call(8, 2, 3, 3 * 0.003, batched=True)
+    assert policy.way([3, 3], both) == "alone"  # alone: not measured yet
+    for m, per_forward in ((2, 0.003), (8, 0.004)):
+        policy.observe_call(8, m, 3, 3 * per_forward, batched=True)
+    for m in (2, 8):
+        policy.observe_call(8, m, 3 * m, 3 * m * 0.001, batched=False)
+    assert policy.way([3, 3, 0, 0], both) == "alone"
+    assert policy.way([3] * 8, both) == "batched"
+    assert policy.way([3] * 8, ("batched",)) == "batched" and policy.way([3] * 8, ("alone",)) == "alone"
+    assert policy.way([3, 0], both) == "alone"
+    assert policy.forward_cost(8, 3, 24, both) == pytest.approx((0.012, "batched"))

@@ -12,7 +12,9 @@ the K_i that maximise committed tokens per second:
 with B the requests in the step, m the requests that draft, k = max K_i, target(B, p) the measured seconds of a
 step of B requests that verified p proposals, and draft(m) the measured seconds per draft forward over m
 requests (all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests'
-caches). A step's cost has a slope per request and one per proposal: a server's costs per request (scheduling,
+caches). Where the requests may also draft one at a time (each its own forwards, as captured CUDA graphs replay
+them), the step costs the cheaper of k * draft(m) and sum_i K_i * alone(m), alone(m) the measured seconds of one
+request's forward while m draft so; the proposer drafts that way. A step's cost has a slope per request and one per proposal: a server's costs per request (scheduling,
 sampling, the output) and per proposal differ, and a step of 8 requests is not one of 2 requests with 6
 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
 target position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at
@@ -164,7 +166,9 @@ class RowDraftLengths:
         self.cap, self.adaptive = cap, adaptive
         self.target = LinearCosts(2)  # a step's seconds, by (requests, proposals verified)
         self.quiet = LinearCosts(1)  # a call that drafted nothing, by requests in it
-        self.draft = LinearCosts(1)  # a draft forward beyond a quiet call, by requests drafting
+        self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
+        # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
+        self.draft_alone = LinearCosts(1)
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.steps = 0  # steps whose time was measured
         self.drafted = 0  # drafting calls whose cost was measured
@@ -185,13 +189,15 @@ class RowDraftLengths:
             self.target.observe((rows, proposals), seconds)
             self.steps += 1
 
-    def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float) -> None:
-        """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards, took
-        `seconds` (no prefill in it)."""
+    def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
+        """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
+        (`batched`: forwards over all of them at once; else each request's own), took `seconds` (no prefill in
+        it)."""
         if not drafting or not forwards:
             self.quiet.observe((rows,), seconds)
             return
-        self.draft.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
+        costs = self.draft if batched and drafting > 1 else self.draft_alone
+        costs.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
         self.drafted += 1
 
     def observe_time(self, rows: int, interval: float | None, call: float) -> None:
@@ -225,9 +231,26 @@ class RowDraftLengths:
         prior = self.pool.rate(0.5, 0.0)
         return [min(r.rate(prior, self.PRIOR_WEIGHT), 0.999) for r in requests]
 
-    def lengths(self, requests: Sequence[Acceptance], rows: int, batched: bool = True) -> list[int]:
+    def forward_cost(self, drafting: int, k: int, ids: int, ways: tuple[str, ...] = ("batched",)) -> tuple[float, str]:
+        """The draft's seconds beyond a quiet call when `drafting` requests draft `ids` ids, at most k each, and
+        the cheaper of `ways`: "batched" (k forwards over all of them at once) or "alone" (each request's own
+        forwards, `ids` in all). One request drafts alone. A way not measured yet costs 0 (optimism: it is
+        tried, then measured)."""
+        if drafting <= 1 or "batched" not in ways:
+            return ids * self.draft_alone(max(drafting, 1)), "alone"
+        batched = k * self.draft(drafting)
+        if "alone" not in ways:
+            return batched, "batched"
+        alone = ids * self.draft_alone(drafting)
+        return (alone, "alone") if alone < batched else (batched, "batched")
+
+    def way(self, lengths: Sequence[int], ways: tuple[str, ...]) -> str:
+        """How the chosen `lengths` are drafted this step: the cheaper of `ways` (forward_cost)."""
+        return self.forward_cost(sum(x > 0 for x in lengths), max(lengths, default=0), sum(lengths), ways)[1]
+
+    def lengths(self, requests: Sequence[Acceptance], rows: int, ways: tuple[str, ...] = ("batched",)) -> list[int]:
         """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
-        may not draft included): 0..cap each."""
+        may not draft included): 0..cap each, each step's cost with the cheaper of the drafting `ways`."""
         n = len(requests)
         self.probed = False
         if not self.adaptive or not n:
@@ -241,7 +264,7 @@ class RowDraftLengths:
         base = self.step_cost(rows, 0)
         best, best_rate = [0] * n, rows / max(base, 1e-9)
         for k in range(1, self.cap + 1):
-            lengths, rate, _ = self._best_at(k, a, rows, base, best_rate, batched)
+            lengths, rate, _ = self._best_at(k, a, rows, base, best_rate, ways)
             if rate > best_rate:
                 best, best_rate = lengths, rate
         if any(best):
@@ -252,7 +275,7 @@ class RowDraftLengths:
         # nothing pays: the target alone, but a probe drafts once every alone_run steps
         if self.probing:  # the probe was measured and lost
             self.probing = False
-            self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, batched))
+            self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base))
         # a probe: the request that has waited longest drafts, alone, while probes have cost at most PROBE_BUDGET
         # of the time served (a probe may have to read its request's text first, which a step's count misses)
         if self.since_draft >= self.alone_run and self.probe_spent <= self.PROBE_BUDGET * self.elapsed:
@@ -262,7 +285,7 @@ class RowDraftLengths:
         return self._alone(n, requests)
 
     def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
-                 batched: bool) -> tuple[list[int], float, float]:
+                 ways: tuple[str, ...]) -> tuple[list[int], float, float]:
         """The lengths at most k, each request's chosen at `rate` (tokens per second) -> (lengths, their rate,
         their seconds); twice, the second time at the rate the first choice gives."""
         top = self.step_cost(rows, k * len(a))
@@ -272,8 +295,7 @@ class RowDraftLengths:
             drafting = sum(x > 0 for x in lengths)
             if not drafting:
                 return lengths, 0.0, base
-            forwards = k if batched else sum(lengths)
-            cost = self.step_cost(rows, sum(lengths)) + forwards * self.draft(drafting if batched else 1)
+            cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(drafting, k, sum(lengths), ways)[0]
             tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
             rate = tokens / max(cost, 1e-9)
         return lengths, rate, cost
@@ -289,12 +311,12 @@ class RowDraftLengths:
             j, worth = j + 1, worth * a
         return j
 
-    def _probe_cap(self, a: list[float], rows: int, base: float, batched: bool) -> int:
+    def _probe_cap(self, a: list[float], rows: int, base: float) -> int:
         """The longest run of steps without drafting between probes: PROBE_DRAFT_MAX, or more where a probe's
         predicted extra seconds (its cost minus what the target alone takes for the tokens it commits) exceed
         PROBE_BUDGET of the steps between probes; at most Fallback.PROBE_DRAFT_CAP."""
         best = max(range(len(a)), key=a.__getitem__)
-        cost = self.step_cost(rows, self.cap) + self.cap * self.draft(1)
+        cost = self.step_cost(rows, self.cap) + self.forward_cost(1, self.cap, self.cap)[0]
         tokens = rows - 1 + expected_tokens(a[best], self.cap)
         extra = cost - base * tokens / rows
         need = math.ceil(round(extra / (self.PROBE_BUDGET * max(base, 1e-9)), 6))

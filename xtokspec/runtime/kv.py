@@ -171,6 +171,18 @@ class DynamicKV:
     def layer_tensors(self):
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
 
+    def read(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's first n positions, (heads, n, head_dim) each (a batched draft's copy of this request)."""
+        layer = self.cache.layers[layer_idx]
+        if layer.keys.shape[-2] != n:
+            raise ValueError(f"a sliding layer keeps {layer.keys.shape[-2]} of {n} positions: not batchable")
+        return layer.keys[0], layer.values[0]
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """A layer's positions from `start` (its length: they are appended) set to (1, heads, n, head_dim) keys
+        and values; `advance` follows once every layer is written."""
+        self.cache.update(keys, values, layer_idx)
+
     def rollback(self, n: int) -> None:
         extra = self.length - n
         if extra <= 0:
@@ -267,6 +279,26 @@ class StaticKV:
 
     def layer_tensors(self):
         return [(layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized]
+
+    def read(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's first n positions, (heads, n, head_dim) each (views of its buffers)."""
+        layer = self.cache.layers[layer_idx]
+        return layer.keys[0, :, :n], layer.values[0, :, :n]
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """A layer's positions from `start` set to (1, heads, n, head_dim) keys and values, in place (a captured
+        graph keeps the buffers' addresses), and its own length moved past them; `advance` follows once every
+        layer is written."""
+        layer = self.cache.layers[layer_idx]
+        end = start + keys.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"{end} positions exceed the static cache's {self.capacity}")
+        layer.keys[:, :, start:end].copy_(keys)
+        layer.values[:, :, start:end].copy_(values)
+        if isinstance(layer, PrefixStaticLayer):
+            layer.length = end
+        else:
+            layer.cumulative_length.fill_(end)
 
     def reset(self) -> None:
         """Empty, whatever state a forward left it in (one that raised may have moved some layers' lengths)."""

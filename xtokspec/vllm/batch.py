@@ -39,11 +39,12 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
     position, whose column the row's mask then hides, and the last id leaves the state's ids and cache (the caller
     takes it back off its text: `TextBridge.heal` without the truncation).
 
-    The states' caches (transformers DynamicCaches, each request its own length) are copied side by side into
+    The states' caches (each request its own length: transformers DynamicCaches, or static ones, whose buffers and
+    captured graphs stay where they are) are copied side by side into
     one batched cache, left-padded: row i holds its c_i cached positions right-aligned in the first C = max c_i
     columns, then its t_i uncached ids right-aligned in the next T = max t_i; an attention mask hides the padding
     and position ids carry each row's own positions. The k - 1 further forwards add one column each. Afterwards
-    each state's cache gets its own new columns (its uncached ids and the drafted ones) appended; the batched
+    each state's cache gets its own new columns (its uncached ids and the drafted ones) written after its c_i; the batched
     cache is dropped. A draft with sliding-window layers (Gemma 2/3) batches while the batch's columns fit in its
     window (`window`: then its sliding layers hold every position, as full ones do). Every state needs a cached
     position (else its padding queries would see nothing) and an uncached id: `prefill_tail` leaves both where a
@@ -68,10 +69,7 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
             keys, values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
             for r, (state, c) in enumerate(zip(states, cached, strict=True)):
                 if c:
-                    own = state.kv.cache.layers[layer_idx]
-                    if own.keys.shape[-2] != c:
-                        raise ValueError(f"a sliding layer keeps {own.keys.shape[-2]} of {c} positions: not batchable")
-                    keys[r, :, width - c :], values[r, :, width - c :] = own.keys[0], own.values[0]
+                    keys[r, :, width - c :], values[r, :, width - c :] = state.kv.read(layer_idx, c)
             batch.update(keys, values, layer_idx)
     mask = torch.zeros(rows, width + depth + k - 1, dtype=torch.long)
     input_ids = torch.zeros(rows, depth, dtype=torch.long)
@@ -121,7 +119,7 @@ def draft_together(model, states: list[ModelState], k: int, draft_eos: set[int],
                 skip = last_column - start
                 keys = torch.cat([keys[:, :, :skip], keys[:, :, skip + 1 :]], dim=2)
                 values = torch.cat([values[:, :, :skip], values[:, :, skip + 1 :]], dim=2)
-            state.kv.cache.update(keys, values, layer_idx)
+            state.kv.write(layer_idx, keys, values, cached[r])
     for state, tail, was_healed in zip(states, tails, healed_rows, strict=True):
         state.kv.advance(len(tail) - was_healed + k - 1)  # a sliding layer is cut back to its window (DynamicKV)
         if was_healed:

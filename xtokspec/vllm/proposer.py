@@ -19,7 +19,9 @@ step to step: each step commits the row's new target ids (the draft keeps the dr
 committed text repeats and re-encodes only the rest) and drafts K ids greedily from there: all running requests
 together, one batched forward per drafted position over their caches side by side (`draft_together`), or one
 request at a time (`propose.ChainProposer`) for a lone request, a request whose text outgrows a sliding-window
-draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`.
+draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`. With captured drafts
+(`xtokspec_draft_graphs`: each request's steps replayed as CUDA graphs) each step drafts the cheaper of the two
+ways for the requests drafting in it, from the costs measured (`decode.rows.RowDraftLengths.way`).
 
 A new request's draft reads its prompt as text (`chat.DraftView`): a chat template's special tokens reach the
 draft as its own where its tokenizer has them by text and are left out of its view otherwise, as in
@@ -51,7 +53,7 @@ import torch
 
 from ..decode import assemble
 from ..decode.propose import ChainProposer
-from ..runtime.kv import context_limit, sliding_layers
+from ..runtime.kv import context_limit, position_bytes, sliding_layers
 from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
 from ..text.chat import DraftView
 from ..text.codec import TokenCodec
@@ -137,12 +139,21 @@ class TextBridgeProposer:
         self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * max_seqs,
                                   max_new=self.k + 1,
                                   on_drop=self._release)
+        # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
+        # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
+        self.static_len = min(self.draft_limit, settings.cache_len or max(256, 2 * self.max_model_len))
         # Captured drafts: each request's draft steps recorded as CUDA graphs over a static cache of its own,
         # replayed at each step (xtokspec's GraphedStep, as XTokSpec's default on a GPU); a dropped request's
-        # cache goes to the next new request with its graphs. Per request, not batched (draft_together stacks
-        # dynamic caches). Where graphs cannot be recorded (the CPU, a sliding-window draft) a warning says why
-        # and the draft runs eagerly.
-        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if settings.graphs else None
+        # cache goes to the next new request with its graphs. Where graphs cannot be recorded (the CPU, a
+        # sliding-window draft) a warning says why and the draft runs eagerly. By default on a GPU, where a
+        # static cache for every running request fits the draft caches' bound (static caches hold all their
+        # positions from the start).
+        graphs = settings.graphs
+        if graphs is None:
+            needed = max_seqs * self.static_len * position_bytes(self.draft_model)
+            graphs = (self.draft_device.type == "cuda" and not sliding and settings.cache != "dynamic"
+                      and needed <= settings.memory_mib * 2**20)
+        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if graphs else None
         cache = settings.cache or ("static" if self.step is not None else "dynamic")
         if cache == "static" and sliding:
             raise XTokSpecError(f"{CACHE_KEY}='static': the draft has {sliding} layers, which a static cache cannot "
@@ -150,13 +161,13 @@ class TextBridgeProposer:
         if self.step is not None and cache != "static":
             raise XTokSpecError(f"{GRAPHS_KEY} records the draft's steps over static caches: {CACHE_KEY}={cache!r}")
         self.draft_backend = cache
-        # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
-        # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
-        self.static_len = min(self.draft_limit, settings.cache_len or max(256, 2 * self.max_model_len))
-        if cache == "static":
-            self.batched = False
-            if self.step is not None:
-                self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
+        if self.step is not None:
+            self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
+        # how the requests that draft in a step draft: batched forwards over their caches copied side by side
+        # (static ones included, which keep their buffers and graphs), or each its own forwards; with captured
+        # graphs the cheaper of the two at each step, from the costs measured (decode.rows.RowDraftLengths.way)
+        self.ways = ("batched", "alone") if self.batched and self.step is not None else \
+            ("batched",) if self.batched else ("alone",)
         # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
         self.policy = self.kept.row_lengths(self.k, settings.adaptive)
         self._last_end: float | None = None  # when the last propose call returned
@@ -169,7 +180,8 @@ class TextBridgeProposer:
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
                  dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
-                 "draft forwards batched across requests" if self.batched
+                 "each step the cheaper of batched draft forwards and each request's CUDA graphs"
+                 if len(self.ways) > 1 else "draft forwards batched across requests" if self.batched
                  else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
                  else "one draft forward per request")
         log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", settings.memory_mib,
@@ -232,6 +244,7 @@ class TextBridgeProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         stats, policy = self.stats, self.policy
+        recorded = self.recording_seconds()
         t0 = call_start = time.perf_counter()
         rows: list[np.ndarray | None] = []
         for r, sampled in enumerate(sampled_token_ids):
@@ -261,8 +274,9 @@ class TextBridgeProposer:
             live += room is not None
             if room:
                 candidates.append((r, entry, room))
-        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.batched)
+        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways)
         k = max(lengths, default=0)
+        batch_now = policy.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
         stats.rows += len(candidates)
         stats.drafting_rows += sum(x > 0 for x in lengths)
         # (row, its table entry, room, token healing's candidate): drafted in one batch
@@ -273,7 +287,7 @@ class TextBridgeProposer:
             if not length:
                 continue
             try:
-                prepared = self._prepare_row(entry, k, min(room, length))
+                prepared = self._prepare_row(entry, k, min(room, length), batch_now)
             except Exception as err:
                 self._fault(err, "preparing a request's draft")
                 self.table.discard(entry)
@@ -345,7 +359,10 @@ class TextBridgeProposer:
         end = time.perf_counter()
         # what the call cost, for the policy: no prefill in it, and one way of drafting at a time
         if not prefilled and decode_only and not (together and alone):
-            policy.observe_call(live, len(together) or len(alone), k if together else forwards, end - call_start)
+            # NOTE: less the seconds spent recording CUDA graphs (a new cache's first steps of each length): charged
+            # to the way that recorded them, they would keep it from being chosen again and measured as it replays
+            policy.observe_call(live, len(together) or len(alone), k if together else forwards,
+                                end - call_start - (self.recording_seconds() - recorded), batched=bool(together))
         stats.other_s += end - t0
         stats.calls += 1
         if not any(lengths):
@@ -356,6 +373,10 @@ class TextBridgeProposer:
         policy.observe_time(self._last_step[0], interval, self._last_end - call_start)
         self._last_step = live, sum(len(ids) for ids in out)
         return out
+
+    def recording_seconds(self) -> float:
+        """Seconds the captured drafts have spent recording graphs so far (0 without them)."""
+        return self.step.setup_seconds if self.step is not None else 0.0
 
     def _advance_row(self, entry: Entry, seen: int, row: np.ndarray) -> int | None:
         """Bring a row's request to its ids (a new request: a new state) -> None when the request has ended
@@ -370,7 +391,7 @@ class TextBridgeProposer:
             return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
         return max(0, min(self.k, self.max_model_len - len(row) - 1))
 
-    def _prepare_row(self, entry: Entry, k: int, room: int) -> tuple[bool | None, tuple | None, float]:
+    def _prepare_row(self, entry: Entry, k: int, room: int, batch: bool) -> tuple[bool | None, tuple | None, float]:
         """Ready a request to draft -> (whether it drafts in the batch of k forwards, or None: not this step, its
         draft is still reading a long text, one chunk per step; token healing's candidate in the batch; seconds of
         a prefill it ran)."""
@@ -387,7 +408,7 @@ class TextBridgeProposer:
             self.stats.draft_s += prefill_s
             self.stats.prefill_chunks += 1
             return None, None, prefill_s
-        if self.batched and ready == k:
+        if batch and ready == k:
             if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
                 t1 = time.perf_counter()
                 prefill_tail(state)  # the rest of a prompt, or all ids cached: on its own, before the batch

@@ -14,7 +14,9 @@ DRAFT_KEY = "xtokspec_draft"  # additional_config key naming the draft (a folder
 DRAFT_ENV = "XTOKSPEC_DRAFT"  # the environment variable that does the same (additional_config wins)
 DTYPE_KEY, DTYPE_ENV = "xtokspec_draft_dtype", "XTOKSPEC_DRAFT_DTYPE"  # default: the target's dtype in vLLM
 BATCHED_KEY = "xtokspec_batched_drafts"  # False: one draft forward per request (default: batched, see draft_together)
-GRAPHS_KEY = "xtokspec_draft_graphs"  # True: each request's draft steps recorded as CUDA graphs (static caches)
+# True: each request's draft steps recorded as CUDA graphs over a static cache of its own; default: so on a GPU
+# where every running request's static cache fits the draft caches' bound (MEMORY_KEY)
+GRAPHS_KEY = "xtokspec_draft_graphs"
 CACHE_KEY = "xtokspec_draft_cache"  # "dynamic" (default) or "static": each request's draft cache, see RequestDraft
 CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (default: 2 x vLLM's max_model_len)
 # a trimmed draft head (XTokSpec.trim_draft_vocab): the calibration text file its ids are chosen from, one text a
@@ -34,7 +36,7 @@ class ProposerSettings:
     draft: str
     dtype: torch.dtype
     batched: bool = True
-    graphs: bool = False
+    graphs: bool | None = None  # None: chosen by the proposer (GRAPHS_KEY)
     cache: str | None = None  # None: "static" with graphs, else "dynamic"
     cache_len: int | None = None  # None: 2 x vLLM's max_model_len, at least 256
     trim_text: str | None = None
@@ -80,7 +82,7 @@ class ProposerSettings:
         if not is_int(idle) or idle < 0:
             raise XTokSpecError(f"{IDLE_KEY}: a number of calls, 0 or more, got {idle!r}")
         return cls(draft=str(draft), dtype=dtype, batched=bool(extra.get(BATCHED_KEY, True)),
-                   graphs=bool(extra.get(GRAPHS_KEY)), cache=cache, cache_len=cache_len,
+                   graphs=None if extra.get(GRAPHS_KEY) is None else bool(extra[GRAPHS_KEY]), cache=cache, cache_len=cache_len,
                    trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, memory_mib=mib,
                    prefill_chunk=chunk, healing=bool(extra.get(HEALING_KEY, True)),
                    adaptive=bool(extra.get(ADAPTIVE_KEY, True)), idle_calls=idle)
