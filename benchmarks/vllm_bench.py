@@ -20,6 +20,9 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 `xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
+`null` (fixtures): vLLM's speculative path with a proposer that never proposes (`null_proposer.py`), so every
+step verifies zero drafted tokens: what that path costs by itself.
+
 `xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
 `xtokspec_trim`, `xtokspec_gemma_trim`: the draft's head trimmed to 32,768 ids chosen from
@@ -30,7 +33,10 @@ reverse), so that a drift of the machine falls on every system alike. In each bu
 (a 4-token request), then the cold start (`max(--batches)` other held-out prompts in one batch, timed: the first
 requests a fresh proposer serves, before it has learned anything), then each batch size over `--prompts` prompts
 (one `generate` call per batch of prompts, each timed). Ratios to the target alone are paired by round and batch of
-prompts; the table gives their median and a one-sided 95% bootstrap lower bound. Drafted and accepted tokens are
+prompts; the table gives their median and a one-sided 95% bootstrap lower bound. `--interleave`: each round
+builds every system's engine at once (all alive in this process), runs their cold starts, then each batch of
+prompts on every engine in turn, the order alternating from batch to batch: a ratio then pairs two runs minutes
+apart at most, not two builds (this machine's speed drifts from build to build by up to a third). Drafted and accepted tokens are
 vLLM's own spec-decode counters; "rows drafting" is the share of the proposer's rows that drafted; the proposer's
 own time per step is split between steps where some row drafted and steps where none did; "identical" counts the
 requests whose token ids equal the target alone's in the same round (`--margins` measures the logit gap where
@@ -96,6 +102,8 @@ def preset(name: str, k: int) -> dict:
             "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
+            "null": {"speculative_config": {"method": "custom_class", "model": "null_proposer.NullProposer",
+                                            "num_speculative_tokens": k}},
         }}
     return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
         "alone": {},
@@ -207,6 +215,61 @@ def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, c
     del llm
     gc.collect()
     return result
+
+
+def measure_together(names: list[str], prompts: list[str], warm: list[str], args, chosen: dict,
+                     check: bool) -> dict[str, dict]:
+    """One build of every system's engine, all alive at once (`--interleave`): each cold start in turn, then each
+    batch of prompts on every engine before the next batch (the systems' order alternating from batch to batch), so
+    that the machine's drift between builds and over time falls on every system alike, batch by batch."""
+    from vllm import LLM
+
+    from xtokspec.vllm.proposer import TextBridgeProposer
+
+    engines, results = {}, {}
+    for name in names:
+        known = [weakref.ref(p) for p in TextBridgeProposer.instances]
+        llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
+                  max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **chosen["systems"][name])
+        proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
+        engines[name] = llm, proposers
+        run_batches(llm, [prompts[:1]], 4)
+    for name in names:
+        seconds, outputs = run_batches(engines[name][0], [warm], args.new_tokens, args.temperature, 10_000)
+        results[name] = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
+    fields = ("calls", "rows", "drafting_rows", "quiet_calls", "quiet_s", "draft_s", "copy_s", "bridge_s",
+              "other_s", "proposed", "accepted")
+    for batch in args.batches:
+        batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        rows = {name: {"times": [], "outputs": [], "drafted": 0, "accepted": 0} for name in names}
+        stats0 = {name: dataclasses.replace(ps[-1].stats) for name, (_, ps) in engines.items() if ps}
+        for n, one in enumerate(batches):
+            for name in names if n % 2 == 0 else names[::-1]:
+                before = spec_counts()  # NOTE: summed over the engines' series: only this engine runs meanwhile
+                seconds, out = run_batches(engines[name][0], [one], args.new_tokens, args.temperature,
+                                           len(rows[name]["outputs"]))
+                after = spec_counts()
+                row = rows[name]
+                row["times"].append(seconds)
+                row["outputs"] += out
+                row["drafted"] += after[0] - before[0]
+                row["accepted"] += after[1] - before[1]
+        for name in names:
+            row = rows[name]
+            row["tokens"] = [sum(len(o) for o in row["outputs"][i : i + batch]) for i in range(0, len(prompts), batch)]
+            row["tokens_per_s"] = sum(row["tokens"]) / sum(row["times"])
+            if name in stats0:
+                p = engines[name][1][-1].stats
+                row["proposer"] = {f: getattr(p, f) - getattr(stats0[name], f) for f in fields}
+            results[name][f"batch{batch}"] = row
+            print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
+                  f"{row['drafted']}/{row['accepted']}", flush=True)
+    if check and not args.temperature and "alone" in results:
+        results["alone"]["sanity"] = sanity(chosen["target"], chosen["dtype"], prompts[:2],
+                                            results["alone"][f"batch{args.batches[0]}"]["outputs"][:2])
+    del engines
+    gc.collect()
+    return results
 
 
 def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
@@ -351,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "timed prompts seeded with n (outputs then differ from the target alone's by chance only "
                         "where drafts are rejected; 'identical' counts the same ids anyway)")
     parser.add_argument("--systems", help="comma-separated, alone first (default: all of the preset's)")
+    parser.add_argument("--interleave", action="store_true", help="each round builds every system's engine at once "
+                        "and runs each batch of prompts on all of them in turn (ratios paired in time, not only by "
+                        "round)")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
     parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
@@ -385,28 +451,45 @@ def main() -> None:
               f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, "
               f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
-              f"{args.rounds} rounds of engine builds in alternating order (ABBA), cold start: {len(warm)} other "
+              + (f"{args.rounds} rounds, each building every engine at once and running each batch of prompts on "
+                 "all of them in turn (the order alternating)" if args.interleave else
+                 f"{args.rounds} rounds of engine builds in alternating order (ABBA)")
+              + f", cold start: {len(warm)} other "
               "prompts in one batch on a fresh engine")
     command = "python benchmarks/vllm_bench.py " + " ".join(sys.argv[1:])
     held_out(chosen, set(both), Path(tempfile.mkdtemp()))
     if args.out:
         write_manifest(args.out.parent, vllm=vllm.__version__, threads=threads)
     runs: dict[str, list[dict]] = {name: [] for name in names}
+
+    def save() -> None:
+        """After each build (a long run stopped midway keeps what it measured): results.json, with every request's
+        token ids, and table.md beside it."""
+        if not args.out:
+            return
+        done = {k: v for k, v in runs.items() if v and len(v) == len(runs["alone"])} if runs["alone"] else {}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"header": header, "command": command, "target": chosen["target"],
+                                        "dtype": chosen["dtype"], "prompts": prompts, "warm": warm,
+                                        "batches": args.batches, "runs": runs}, indent=1), encoding="utf-8")
+        if "alone" in done:
+            args.out.with_name("table.md").write_text(f"{header}\n\n`{command}`\n\n{table(done, args.batches)}\n",
+                                                      encoding="utf-8")
+
     for n in range(args.rounds):
-        for name in names if n % 2 == 0 else names[::-1]:
+        order = names if n % 2 == 0 else names[::-1]
+        if args.interleave:
+            print(f"round {n + 1}/{args.rounds}: {', '.join(order)} together", flush=True)
+            built = measure_together(order, prompts, warm, args, chosen, check=n == 0)
+            for name in names:
+                runs[name].append(built[name])
+            save()
+            continue
+        for name in order:
             print(f"round {n + 1}/{args.rounds}: {name}", flush=True)
             runs[name].append(measure(name, chosen["systems"][name], prompts, warm, args, chosen,
                                       check=name == "alone" and n == 0))
-            if args.out:  # after each build (a long run stopped midway keeps what it measured): results.json,
-                # with every request's token ids, and table.md beside it
-                done = {k: v for k, v in runs.items() if v and len(v) == len(runs["alone"])} if runs["alone"] else {}
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"header": header, "command": command, "target": chosen["target"],
-                                                "dtype": chosen["dtype"], "prompts": prompts, "warm": warm,
-                                                "batches": args.batches, "runs": runs}, indent=1), encoding="utf-8")
-                if "alone" in done:
-                    args.out.with_name("table.md").write_text(
-                        f"{header}\n\n`{command}`\n\n{table(done, args.batches)}\n", encoding="utf-8")
+            save()
     print(header)
     print(table(runs, args.batches))
 

@@ -757,7 +757,8 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
 @pytest.fixture
 def platform_kernels():
     """vLLM's CPU platform kernels registered as every vLLM worker registers them at its start, and the rejection
-    sampler's top-k unrepaired; the dispatcher's expand kernel and the top-k as they were afterwards."""
+    sampler's top-k and forward unrepaired; the dispatcher's expand kernel, the top-k and the forward as they were
+    afterwards."""
     from vllm.platforms import current_platform
     from vllm.triton_utils import dispatcher
     from vllm.v1.sample import rejection_sampler
@@ -765,11 +766,14 @@ def platform_kernels():
     before = dispatcher._registry.get(cpu_sampling.EXPAND_KERNEL)
     top_k = rejection_sampler.apply_top_k_top_p
     rejection_sampler.apply_top_k_top_p = getattr(top_k, "skips_empty", top_k)
+    forward = rejection_sampler.RejectionSampler.forward
+    rejection_sampler.RejectionSampler.forward = getattr(forward, "samples_without_drafts", forward)
     current_platform.register_triton_kernel_overrides()
     yield
     if before is not None:
         cpu_sampling.register_expand(before[1])
     rejection_sampler.apply_top_k_top_p = top_k
+    rejection_sampler.RejectionSampler.forward = forward
 
 
 def sentinel_allocations(monkeypatch) -> None:
@@ -808,7 +812,7 @@ def test_vllms_cpu_expand_kernel_drops_float32_and_int32_and_the_repair_writes_t
             assert torch.equal(got, want)
         else:  # nothing written
             assert got.isnan().all() if got.is_floating_point() else (got == -1).all(), (got, want)
-    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
     for got, want in zip(expanded(), wanted, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
     assert not cpu_sampling.faulty_expand_registered() and cpu_sampling.repair_cpu_sampling() == []
@@ -831,7 +835,7 @@ def test_vllms_cpu_top_k_fails_on_a_step_without_drafts_and_the_repair_skips_it(
     no_drafts = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"numel\(\) == 0"):
         apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only)
-    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
     assert apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only).shape == (0, 16)
     logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))  # (T=4 drafted positions, V)
     for metadata in (top_k_only, with_top_p):
@@ -1084,7 +1088,7 @@ def vllm_outputs(request, heldout_prompts):
     gc.collect()
     if "sampling_draft_model" in parts:  # vLLM's own speculative method, repaired by hand as a user would
         llm = LLM(**llm_kwargs(speculative_config={**SAME_TOKENIZER_DRAFT, "num_speculative_tokens": K}))
-        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k"]
+        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
         results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
         del llm
         gc.collect()
@@ -1485,3 +1489,26 @@ def test_vllm_serve_answers_concurrent_requests_as_the_target_alone(vllm_server,
     # drafts; 20-27 drafted, 3-5 accepted measured on these requests (AMD EPYC, AVX2), where drafting K at every
     # step accepts 11%
     assert drafted > 0, "the server's spec-decode counters saw no drafted tokens: the proposer was not reached"
+
+
+def test_a_step_without_drafts_samples_with_the_ordinary_sampler_only():
+    """`cpu_sampling.sample_without_drafts`: where no request has a drafted token (max_spec_len 0) the wrapped
+    rejection sampler returns its ordinary sampler's output for the logits as they are, and calls nothing else;
+    a step with drafts goes to the rejection sampler itself."""
+    calls = []
+
+    def rejection_forward(self, metadata, draft_probs, logits, sampling_metadata):
+        calls.append("rejection")
+        return "verified"
+
+    def sampler(logits, sampling_metadata):
+        calls.append(("sampler", logits, sampling_metadata))
+        return "sampled"
+
+    forward = cpu_sampling.sample_without_drafts(rejection_forward)
+    owner = types.SimpleNamespace(sampler=sampler)
+    logits, params = torch.zeros(3, 5), object()
+    assert forward(owner, types.SimpleNamespace(max_spec_len=0), None, logits, params) == "sampled"
+    assert calls == [("sampler", logits, params)]
+    assert forward(owner, types.SimpleNamespace(max_spec_len=2), None, logits, params) == "verified"
+    assert calls[1:] == ["rejection"] and forward.samples_without_drafts is rejection_forward
