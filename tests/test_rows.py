@@ -178,3 +178,25 @@ def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmea
     assert policy.way([3] * 8, ("batched",)) == "batched" and policy.way([3] * 8, ("alone",)) == "alone"
     assert policy.way([3, 0], both) == "alone"
     assert policy.forward_cost(8, 3, 24, both) == pytest.approx((0.012, "batched"))
+
+
+def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
+    """Measured: a 25-ms step, 26 ms with one proposal, 3 ms a draft forward. A request accepting 0.2 is predicted
+    3.6% ahead drafting one id: from the target alone that is within RowDraftLengths.MARGIN (5%: what the model
+    misses inside vLLM), so it does not start; while drafting it goes on (a margin to go on as well would stop
+    and restart requests whose estimate wavers near it). A request accepting 0.4 (21% ahead) starts."""
+    policy = RowDraftLengths(1)
+    for _ in range(4):
+        policy.observe_step(1, 0, 0.025)
+        policy.observe_step(1, 1, 0.026)
+        policy.observe_call(1, 0, 0, 1e-4)
+        policy.observe_call(1, 1, 1, 1e-4 + 0.003)
+    marginal, good = Acceptance(successes=20.0, failures=82.0), Acceptance(successes=40.0, failures=60.0)
+    assert policy.rates([marginal, good]) == pytest.approx([0.202, 0.402], abs=1e-3)
+    policy.alone_run = 1000  # no probe in the way
+    policy.since_draft = 5  # the target alone for the last 5 steps
+    assert policy.lengths([marginal], 1) == [0]
+    policy.since_draft = 0  # drafted at the last step
+    assert policy.lengths([marginal], 1) == [1]
+    policy.since_draft = 5
+    assert policy.lengths([good], 1) == [1]
