@@ -261,6 +261,9 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
             if name in stats0:
                 p = engines[name][1][-1].stats
                 row["proposer"] = {f: getattr(p, f) - getattr(stats0[name], f) for f in fields}
+                # NOTE: with several engines alive vLLM's counters may read only the last one built: the proposer's
+                # own counts (ids proposed; accepted, as seen in the ids committed next) stand in for them
+                row["drafted"], row["accepted"] = row["proposer"]["proposed"], row["proposer"]["accepted"]
             results[name][f"batch{batch}"] = row
             print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
                   f"{row['drafted']}/{row['accepted']}", flush=True)
