@@ -102,3 +102,20 @@ def lower_bound(ratios: list[float], seed: int = 0) -> float:
         result = stats.bootstrap(data, np.median, confidence_level=0.90, method="percentile",
                                  n_resamples=9999, random_state=np.random.default_rng(seed))
     return float(result.confidence_interval.low)
+
+
+class NullProposer:
+    """A vLLM `custom_class` proposer that never proposes (`vllm_bench.py`'s `null` system): what vLLM's speculative
+    path costs by itself, every step verifying zero drafted tokens, against the target alone."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load."""
+
+    def dummy_run(self, *args, **kwargs) -> None:
+        """Nothing to warm up."""
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]

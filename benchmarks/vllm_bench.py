@@ -20,7 +20,7 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 `xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
-`null` (fixtures): vLLM's speculative path with a proposer that never proposes (`null_proposer.py`), so every
+`null` (fixtures): vLLM's speculative path with a proposer that never proposes (`common.NullProposer`), so every
 step verifies zero drafted tokens: what that path costs by itself.
 
 `xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
@@ -102,7 +102,7 @@ def preset(name: str, k: int) -> dict:
             "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
-            "null": {"speculative_config": {"method": "custom_class", "model": "null_proposer.NullProposer",
+            "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",
                                             "num_speculative_tokens": k}},
         }}
     return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
