@@ -14,9 +14,9 @@ step of B requests that verified p proposals, and draft(m) the measured seconds 
 requests (all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests'
 caches). Where the requests may also draft one at a time (each its own forwards, as captured CUDA graphs replay
 them), the step costs the cheaper of k * draft(m) and sum_i K_i * alone(m), alone(m) the measured seconds of one
-request's forward while m draft so; the proposer drafts that way. A step's cost has a slope per request and one per proposal: a server's costs per request (scheduling,
-sampling, the output) and per proposal differ, and a step of 8 requests is not one of 2 requests with 6
-proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
+request's forward while m draft so; the proposer drafts that way. A step's cost has a slope per request and one
+per proposal: a server's costs per request (scheduling, sampling, the output) and per proposal differ, and a step
+of 8 requests is not one of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
 target position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at
 all, is one of the choices: where extra positions cost more than they return (a large batch, a poor draft),
 nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the target alone, within what
@@ -161,9 +161,9 @@ class RowDraftLengths:
     # the steps' time between them
     PROBE_BUDGET = 0.01
     POOL_DECAY = 0.98  # per observed proposal: the pooled rate follows the traffic over ~50 proposals
-    # drafting must be predicted to beat the target alone by this share: inside vLLM (fixtures, AVX2 EPYC, T=0.7,
-    # batch 1) steps predicted 1-11% faster drafting ran slower, the model missing costs of that size (a
-    # proposal's bookkeeping in the calls after it), where drafting that pays is predicted 10-30% ahead
+    # drafting must be predicted to beat the target alone by this share before it starts: the model misses costs
+    # of about that size (a proposal's bookkeeping in the calls after it), so a smaller predicted gain may be a
+    # loss (BENCHMARKS.md, "vLLM", the T=0.7 runs)
     MARGIN = 0.05
     PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate) is worth this many proposals
 
