@@ -277,12 +277,15 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
 
 def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
     """Per system and batch size: tokens/s (median over rounds), the ratio to the target alone (median of the
-    ratios paired by round and batch of prompts, and its 95% lower bound), the cold start's ratio, vLLM's drafted
+    ratios paired by round and batch of prompts, and its 95% lower bound; each batch of prompts weighs the same,
+    however many tokens it gave), the ratio of tokens/s over all of a round's prompts (paired by round: median,
+    lowest and highest), the cold start's ratio, vLLM's drafted
     and accepted tokens, the share of rows that drafted, the proposer's own ms per step (drafting and not), and
     the requests whose output equals the target alone's."""
     alone = runs["alone"]
-    lines = ["| system | batch | tokens/s | vs alone: median [95% lower] | cold start | drafted / accepted | "
-             "rows drafting | proposer ms/step: drafting / not | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | batch | tokens/s | vs alone: median [95% lower] | tokens/s vs alone by round | cold start | "
+             "drafted / accepted | rows drafting | proposer ms/step: drafting / not | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rounds in runs.items():
         cold = statistics.median((r["cold"]["tokens"] / r["cold"]["seconds"]) / (a["cold"]["tokens"] / a["cold"]["seconds"])
                                  for r, a in zip(rounds, alone, strict=False))
@@ -290,6 +293,9 @@ def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
             rows = [r[f"batch{b}"] for r in rounds]
             ratios = [(tr / tt) / (ta / at) for r, a in zip(rows, (x[f"batch{b}"] for x in alone), strict=False)
                       for tt, tr, at, ta in zip(r["times"], r["tokens"], a["times"], a["tokens"], strict=True)]
+            rounds_ = sorted((sum(r["tokens"]) / sum(r["times"])) / (sum(a["tokens"]) / sum(a["times"]))
+                             for r, a in zip(rows, (x[f"batch{b}"] for x in alone), strict=False))
+            by_round = f"{statistics.median(rounds_):.3f} ({rounds_[0]:.3f}-{rounds_[-1]:.3f})"
             drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
             same = sum(x == y for r, a in zip(rows, (x[f"batch{b}"] for x in alone), strict=False)
                        for x, y in zip(r["outputs"], a["outputs"], strict=True))
@@ -303,13 +309,24 @@ def table(runs: dict[str, list[dict]], batches: list[int]) -> str:
                 own = (f"{(spent - p['quiet_s']) / busy * 1e3:.2f}" if busy else "-") + " / " + \
                       (f"{p['quiet_s'] / p['quiet_calls'] * 1e3:.2f}" if p["quiet_calls"] else "-")
             lines.append(f"| {name} | {b} | {statistics.median(sum(r['tokens']) / sum(r['times']) for r in rows):.1f} | "
-                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {cold:.2f}x | "
+                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {by_round} | {cold:.2f}x | "
                          f"{drafted} / {accepted} ({accepted / drafted:.0%}) | {share} | {own} | {same}/{total} |"
                          if drafted else
                          f"| {name} | {b} | {statistics.median(sum(r['tokens']) / sum(r['times']) for r in rows):.1f} | "
-                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {cold:.2f}x | - | {share} | "
+                         f"{statistics.median(ratios):.3f} [{lower_bound(ratios):.3f}] | {by_round} | {cold:.2f}x | - | "
+                         f"{share} | "
                          f"{own} | {same}/{total} |")
     return "\n".join(lines)
+
+
+def rerender(path: Path) -> None:
+    """table.md again beside a results.json, from its header, command and runs (a table's columns may change after
+    a run)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    runs = {k: v for k, v in data["runs"].items() if v and len(v) == len(data["runs"]["alone"])}
+    text = f"{data['header']}\n\n`{data['command']}`\n\n{table(runs, data['batches'])}\n"
+    path.with_name("table.md").write_text(text, encoding="utf-8")
+    print(text)
 
 
 def preload_openmp() -> None:
@@ -426,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margins", type=Path, metavar="RESULTS", help="only measure where outputs in a "
                         "results.json differ from the target alone's (`divergences`; transformers, no vLLM)")
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
+    parser.add_argument("--table", type=Path, metavar="RESULTS", help="only write table.md again beside RESULTS (a "
+                        "results.json), from what it holds")
     return parser
 
 
@@ -433,6 +452,9 @@ def main() -> None:
     args = build_parser().parse_args()
     if args.margins:
         divergences(args.margins)
+        return
+    if args.table:
+        rerender(args.table)
         return
     preload_openmp()
     for name, value in ENV.items():

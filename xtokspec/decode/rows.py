@@ -31,8 +31,15 @@ what vLLM accepted of its last proposal; a new request starts from the rate pool
 and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
 tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
 schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 1% of the
-steps between probes; the request that has waited longest); while drafting pays, one step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the
-target's cost without proposals stays measured.
+steps between probes; the request that has waited longest); while drafting pays, one step in
+`Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
+
+The model predicts; each batch size's steps also measure (`Measured`, as `policy.Fallback` compares its arms):
+drafting as chosen, in seconds per committed token with the proposer's call, against the target alone's steps
+at that size. Where drafting has measured slower, nothing is drafted at that size whatever the model predicts (a
+cost it misses: a fit carried from other sizes, vLLM's own work per proposal), and the choice is drafted again
+as a probe on the schedule above. A size where drafting has run a few steps but the target alone has not is
+given target-alone steps first, so that the comparison has both sides.
 
 Like the loop's policies (policy.py) it decides from earlier steps only and cannot change the output: vLLM
 verifies whatever is proposed.
@@ -44,12 +51,12 @@ import collections
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..types import expected_tokens
-from .policy import DECAY, WARM_CYCLES, Fallback
+from .policy import DECAY, WARM_CYCLES, DraftingCost, Fallback
 
 
 class LinearCosts:
@@ -153,6 +160,35 @@ def outcome(proposed: Sequence[int], new: Sequence[int]) -> tuple[int, bool]:
     return accepted, True
 
 
+@dataclass
+class Measured:
+    """What the steps of one batch size (requests in a step) have measured, whatever the model predicts: the
+    target alone's recent step times (each commits one token per request), and drafting's seconds per committed
+    token (decayed sums, as `policy.Fallback` keeps them); each step's seconds with the proposer's call before it."""
+
+    alone: collections.deque = field(default_factory=lambda: collections.deque(maxlen=Fallback.ALONE_SAMPLES))
+    drafting: DraftingCost = field(default_factory=DraftingCost)
+
+    ALONE_MIN = 2  # target-alone steps measured before a comparison
+
+    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+        if not drafted:
+            self.alone.append(seconds)
+            return
+        cost = self.drafting
+        cost.tokens = DECAY * cost.tokens + tokens
+        cost.seconds = DECAY * cost.seconds + seconds
+        cost.weight = DECAY * cost.weight + 1.0
+        cost.cycles += 1
+
+    def drafting_loses(self, rows: int) -> bool:
+        """Drafting has cost more per committed token than the target alone at this size (both measured)."""
+        cost = self.drafting
+        if len(self.alone) < self.ALONE_MIN or cost.cycles < WARM_CYCLES:
+            return False
+        return statistics.median(self.alone) / rows * cost.tokens < cost.seconds
+
+
 class RowDraftLengths:
     """Each step: how many tokens each running request drafts (this module's docstring). One per proposer: the
     costs are the models' and the machine's, the pooled acceptance the pair's on the traffic served."""
@@ -186,13 +222,22 @@ class RowDraftLengths:
         self.probe_spent = 0.0  # of those, what probes cost (their calls, and their steps' extra time)
         self.probed = False  # this call's lengths are a probe
         self.probed_before = False  # the last call's were
+        # the measured arms by batch size (requests in a step): drafting as chosen against the target alone
+        self.measured: dict[int, Measured] = {}
+        self.chose = "none"  # what the last lengths were: "drafting" (chosen, or a probe of the choice), "alone",
+        # or neither ("cold", a one-request "probe", "none"), which the arms do not count
+        self.last_call = 0.0  # the last call's seconds
 
     # -------------------------------------------------------------------------------- what was measured
-    def observe_step(self, rows: int, proposals: int, seconds: float) -> None:
-        """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds`."""
-        if rows > 0:
-            self.target.observe((rows, proposals), seconds)
-            self.steps += 1
+    def observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
+        """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds` and committed
+        `tokens` (None: not known)."""
+        if rows <= 0:
+            return
+        self.target.observe((rows, proposals), seconds)
+        self.steps += 1
+        if tokens is not None and self.chose in ("drafting", "alone") and (self.chose == "drafting") == (proposals > 0):
+            self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
 
     def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
         """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
@@ -214,6 +259,7 @@ class RowDraftLengths:
             if self.probed_before:  # the step verified the last call's probe
                 self.probe_spent += max(0.0, interval - self.step_cost(rows, 0))
         self.elapsed += call
+        self.last_call = call
         if self.probed:
             self.probe_spent += call
         self.probed_before = self.probed
@@ -257,11 +303,11 @@ class RowDraftLengths:
         """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
         may not draft included): 0..cap each, each step's cost with the cheaper of the drafting `ways`."""
         n = len(requests)
-        self.probed = False
+        self.probed, self.chose = False, "none"
         if not self.adaptive or not n:
             return [self.cap] * n
         if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
-            return self._drafting([1] * n, requests)
+            return self._drafting([1] * n, requests, "cold")
         rows = max(rows, n)
         if not self.target.seen(lambda size: size[1] == 0) or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
@@ -276,21 +322,33 @@ class RowDraftLengths:
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
         # start again, its evidence fading in between
         margin = 0.0 if self.since_draft == 0 else self.MARGIN
+        blocked = None  # the lengths chosen, where drafting them has measured slower than the target alone
         if any(best) and best_rate >= (1 + margin) * alone:
-            if self.probing:
-                self.probing = False
-                self.alone_run = Fallback.PROBE_DRAFT_FIRST
-            return self._drafting(best, requests)
+            measured = self.measured.get(rows)
+            if measured is None or not measured.drafting_loses(rows):
+                if measured is not None and measured.drafting.cycles >= WARM_CYCLES \
+                        and len(measured.alone) < Measured.ALONE_MIN:
+                    return self._alone(n, requests)  # the target alone measured at this size too
+                if self.probing:
+                    self.probing = False
+                    self.alone_run = Fallback.PROBE_DRAFT_FIRST
+                return self._drafting(best, requests)
+            # NOTE: the model says drafting pays, the steps at this size say it does not: the model misses a cost
+            # here (a fit carried from other sizes; vLLM's own work per proposal), and the measurement wins
+            blocked = best
         # nothing pays: the target alone, but a probe drafts once every alone_run steps
         if self.probing:  # the probe was measured and lost
             self.probing = False
-            self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base))
-        # a probe: the request that has waited longest drafts, alone, while probes have cost at most PROBE_BUDGET
-        # of the time served (a probe may have to read its request's text first, which a step's count misses)
+            self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, blocked))
+        # a probe, while probes have cost at most PROBE_BUDGET of the time served: the lengths chosen where only
+        # the measurement stops them, else the request that has waited longest drafts, alone (a probe may have to
+        # read its request's text first, which a step's count misses)
         if self.since_draft >= self.alone_run and self.probe_spent <= self.PROBE_BUDGET * self.elapsed:
             self.probing, self.probes, self.probed = True, self.probes + 1, True
+            if blocked is not None:
+                return self._drafting(blocked, requests)
             probe = max(range(n), key=lambda i: requests[i].idle)
-            return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests)
+            return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests, "probe")
         return self._alone(n, requests)
 
     def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
@@ -320,18 +378,25 @@ class RowDraftLengths:
             j, worth = j + 1, worth * a
         return j
 
-    def _probe_cap(self, a: list[float], rows: int, base: float) -> int:
+    def _probe_cap(self, a: list[float], rows: int, base: float, blocked: list[int] | None = None) -> int:
         """The longest run of steps without drafting between probes: PROBE_DRAFT_MAX, or more where a probe's
-        predicted extra seconds (its cost minus what the target alone takes for the tokens it commits) exceed
-        PROBE_BUDGET of the steps between probes; at most Fallback.PROBE_DRAFT_CAP."""
-        best = max(range(len(a)), key=a.__getitem__)
-        cost = self.step_cost(rows, self.cap) + self.forward_cost(1, self.cap, self.cap)[0]
-        tokens = rows - 1 + expected_tokens(a[best], self.cap)
-        extra = cost - base * tokens / rows
+        extra seconds (its cost minus what the target alone takes for the tokens it commits; measured where the
+        measurement stopped drafting, else predicted for one request drafting) exceed PROBE_BUDGET of the steps
+        between probes; at most Fallback.PROBE_DRAFT_CAP."""
+        measured = self.measured.get(rows)
+        if blocked is not None and measured is not None:
+            cost = measured.drafting
+            extra = (cost.seconds - statistics.median(measured.alone) / rows * cost.tokens) / max(cost.weight, 1e-9)
+        else:
+            best = max(range(len(a)), key=a.__getitem__)
+            cost = self.step_cost(rows, self.cap) + self.forward_cost(1, self.cap, self.cap)[0]
+            tokens = rows - 1 + expected_tokens(a[best], self.cap)
+            extra = cost - base * tokens / rows
         need = math.ceil(round(extra / (self.PROBE_BUDGET * max(base, 1e-9)), 6))
         return max(Fallback.PROBE_DRAFT_MAX, min(need, Fallback.PROBE_DRAFT_CAP))
 
-    def _drafting(self, lengths: list[int], requests: Sequence[Acceptance]) -> list[int]:
+    def _drafting(self, lengths: list[int], requests: Sequence[Acceptance], chose: str = "drafting") -> list[int]:
+        self.chose = chose
         self.since_draft = 0
         self.since_alone += 1
         for length, request in zip(lengths, requests, strict=True):
@@ -339,6 +404,7 @@ class RowDraftLengths:
         return lengths
 
     def _alone(self, n: int, requests: Sequence[Acceptance]) -> list[int]:
+        self.chose = "alone"
         self.since_draft += 1
         self.since_alone = 0
         for request in requests:
