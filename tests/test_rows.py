@@ -247,3 +247,18 @@ def test_measured_arms_compare_seconds_per_committed_token_at_one_size():
         arms.observe(True, 12, 0.050)
     assert arms.drafting_loses(8)
     assert not Measured().drafting_loses(8)
+
+
+def test_a_probe_waits_until_the_budget_holds_it_at_the_last_probes_cost():
+    """Where nothing pays, a probe comes only while the probes so far and one more, costing what the last one did,
+    stay within PROBE_BUDGET (1%) of the time served: a second-long probe (a slow draft reading its request's text
+    first) after 100 s served with 0.5 s spent must wait; one of 0.4 s may come."""
+    policy = RowDraftLengths(3)
+    Server(*POOR_DRAFT).run(policy, 200)
+    requests = [Acceptance(successes=0.0, failures=20.0)]
+    policy.alone_run, policy.since_draft, policy.probing = 2, 10, False
+    policy.elapsed, policy.probe_spent = 100.0, 0.5
+    policy.last_probe = 0.6
+    assert policy.lengths(requests, 1) == [0] and not policy.probed
+    policy.last_probe = 0.4
+    assert policy.lengths(requests, 1) == [3] and policy.probed

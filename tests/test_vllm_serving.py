@@ -116,6 +116,30 @@ def test_the_adaptive_proposer_leaves_the_output_the_targets(ja_target, heldout_
     assert proposer.policy.steps > 0 and proposer.policy.drafted > 0
 
 
+def test_the_measured_arms_are_told_each_steps_committed_ids(ja_target, heldout_prompts, monkeypatch):
+    """Each measured step reaches the policy with the ids it committed (its arms compare seconds per committed
+    id): a step without proposals commits exactly one id per request, one with p proposals between one and 1 + p
+    more per request. A step after which a request left the rows (here: a finished one) reaches it with none."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
+    seen = []
+    observe = RowDraftLengths.observe_step
+
+    def record(self, rows, proposals, seconds, tokens=None):
+        seen.append((rows, proposals, tokens))
+        return observe(self, rows, proposals, seconds, tokens)
+
+    monkeypatch.setattr(RowDraftLengths, "observe_step", record)
+    Engine(model, proposer, prompts, 24).run()
+    known = [(rows, p, tokens) for rows, p, tokens in seen if tokens is not None]
+    assert len(known) > 0.8 * len(seen)
+    assert any(p == 0 for _, p, _ in known) and any(p > 0 for _, p, _ in known), known
+    for rows, proposals, tokens in known:
+        assert tokens == rows if proposals == 0 else rows <= tokens <= rows + proposals, (rows, proposals, tokens)
+    assert proposer.policy.measured  # the arms were fed
+
+
 @pytest.mark.slow
 def test_a_long_prompt_is_read_in_chunks_while_the_others_draft(ja_target, heldout_prompts):
     """A request with a prompt of ~300 ids beside three short ones: its draft reads its prompt 32 ids per step

@@ -190,6 +190,13 @@ class DraftingCost:
     # first drafted cycle: the draft's prefill of its window of the prompt)
     prefill_seconds: float = 0.0
 
+    def add(self, tokens: float, seconds: float, decay: float = DECAY) -> None:
+        """One more measured drafted cycle (or step): its committed tokens and seconds, earlier ones decayed."""
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.weight = decay * self.weight + 1.0
+        self.cycles += 1
+
 
 class Fallback:
     """Whether the next cycle runs the target alone (SpecConfig.fallback, with adaptive).
@@ -236,11 +243,7 @@ class Fallback:
             self.since_draft += 1
             self.since_alone = 0
             return
-        d, cost = self.decay, self.drafting
-        cost.tokens = d * cost.tokens + cycle.committed
-        cost.seconds = d * cost.seconds + cycle.draft_s + cycle.bridge_s + cycle.verify_s
-        cost.weight = d * cost.weight + 1.0
-        cost.cycles += 1
+        self.drafting.add(cycle.committed, cycle.draft_s + cycle.bridge_s + cycle.verify_s, self.decay)
         self.since_draft = 0
         self.since_alone += 1
 

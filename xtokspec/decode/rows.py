@@ -31,7 +31,8 @@ what vLLM accepted of its last proposal; a new request starts from the rate pool
 and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
 tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
 schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 1% of the
-steps between probes; the request that has waited longest); while drafting pays, one step in
+steps between probes; the request that has waited longest; and only while the probes so far and one more, at the
+last one's cost, stay within 1% of the time served); while drafting pays, one step in
 `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
 The model predicts; each batch size's steps also measure (`Measured`, as `policy.Fallback` compares its arms):
@@ -175,11 +176,7 @@ class Measured:
         if not drafted:
             self.alone.append(seconds)
             return
-        cost = self.drafting
-        cost.tokens = DECAY * cost.tokens + tokens
-        cost.seconds = DECAY * cost.seconds + seconds
-        cost.weight = DECAY * cost.weight + 1.0
-        cost.cycles += 1
+        self.drafting.add(tokens, seconds)
 
     def drafting_loses(self, rows: int) -> bool:
         """Drafting has cost more per committed token than the target alone at this size (both measured)."""
@@ -220,6 +217,7 @@ class RowDraftLengths:
         self.probes = 0
         self.elapsed = 0.0  # seconds served so far (steps and the proposer's calls)
         self.probe_spent = 0.0  # of those, what probes cost (their calls, and their steps' extra time)
+        self.last_probe = 0.0  # what the last probe cost
         self.probed = False  # this call's lengths are a probe
         self.probed_before = False  # the last call's were
         # the measured arms by batch size (requests in a step): drafting as chosen against the target alone
@@ -236,7 +234,8 @@ class RowDraftLengths:
             return
         self.target.observe((rows, proposals), seconds)
         self.steps += 1
-        if tokens is not None and self.chose in ("drafting", "alone") and (self.chose == "drafting") == (proposals > 0):
+        # NOTE: the arms count the steps that ran what was chosen: drafting that proposed, the target alone
+        if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
             self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
 
     def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
@@ -257,11 +256,14 @@ class RowDraftLengths:
         if interval is not None:
             self.elapsed += interval
             if self.probed_before:  # the step verified the last call's probe
-                self.probe_spent += max(0.0, interval - self.step_cost(rows, 0))
+                extra = max(0.0, interval - self.step_cost(rows, 0))
+                self.probe_spent += extra
+                self.last_probe += extra
         self.elapsed += call
         self.last_call = call
         if self.probed:
             self.probe_spent += call
+            self.last_probe = call
         self.probed_before = self.probed
 
     def step_cost(self, rows: int, proposals: int) -> float:
@@ -340,10 +342,12 @@ class RowDraftLengths:
         if self.probing:  # the probe was measured and lost
             self.probing = False
             self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, blocked))
-        # a probe, while probes have cost at most PROBE_BUDGET of the time served: the lengths chosen where only
-        # the measurement stops them, else the request that has waited longest drafts, alone (a probe may have to
-        # read its request's text first, which a step's count misses)
-        if self.since_draft >= self.alone_run and self.probe_spent <= self.PROBE_BUDGET * self.elapsed:
+        # a probe, where the probes so far and one more (costing what the last one did) stay within PROBE_BUDGET
+        # of the time served: the lengths chosen where only the measurement stops them, else the request that has
+        # waited longest drafts, alone (a probe may have to read its request's text first, which a step's count
+        # misses: a second-long probe with a slow draft then waits for a hundred seconds served)
+        if self.since_draft >= self.alone_run and \
+                self.probe_spent + self.last_probe <= self.PROBE_BUDGET * self.elapsed:
             self.probing, self.probes, self.probed = True, self.probes + 1, True
             if blocked is not None:
                 return self._drafting(blocked, requests)

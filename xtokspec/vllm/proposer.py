@@ -257,7 +257,9 @@ class TextBridgeProposer:
         decode_only = all(row is not None for row in rows) and all(hit is None or hit[1] for hit in assigned)
         interval = None if self._last_end is None else call_start - self._last_end
         if interval is not None and decode_only and self._last_step[0]:
-            policy.observe_step(*self._last_step, interval, sum(len(ids) for ids in sampled_token_ids))
+            # the ids the step committed, where every request it ran is here (one that left, e.g. aborted, is not)
+            tokens = sum(len(ids) for ids in sampled_token_ids) if len(rows) == self._last_step[0] else None
+            policy.observe_step(*self._last_step, interval, tokens)
         out: list[list[int]] = [[] for _ in rows]
         candidates: list[tuple[int, Entry, int]] = []  # (row, its table entry, room): rows that may draft
         live = 0  # rows in the next step
