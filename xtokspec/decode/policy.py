@@ -197,6 +197,15 @@ class DraftingCost:
         self.weight = decay * self.weight + 1.0
         self.cycles += 1
 
+    def extra(self, alone: float) -> float:
+        """Seconds a drafted cycle costs beyond what the target alone takes for the tokens it commits, on the
+        decayed average; `alone`: the target alone's seconds per token."""
+        return (self.seconds - alone * self.tokens) / max(self.weight, 1e-9)
+
+    def loses_to(self, alone: float) -> bool:
+        """Drafting has cost more per committed token than the target alone's `alone` seconds per token."""
+        return alone * self.tokens < self.seconds
+
 
 class Fallback:
     """Whether the next cycle runs the target alone (SpecConfig.fallback, with adaptive).
@@ -272,7 +281,7 @@ class Fallback:
                 self.draft_fed or cost.prefill_seconds <= self.PROBE_BUDGET * step * self.since_draft):
             self.probing = True
             return False
-        alone = step * cost.tokens < cost.seconds
+        alone = cost.loses_to(step)
         if self.probing and self.since_draft == 0:  # the probe has been measured
             self.probing = False
             cost.alone_run = min(2 * cost.alone_run, self._probe_cap(step)) if alone else self.PROBE_DRAFT_FIRST
@@ -284,8 +293,7 @@ class Fallback:
         """The longest run of target-alone cycles between drafted probes: PROBE_DRAFT_MAX, or more where a drafted
         cycle's measured extra seconds (its time minus what the target alone takes for the tokens it commits)
         would exceed PROBE_BUDGET of the target-alone time between probes; at most PROBE_DRAFT_CAP."""
-        cost = self.drafting
-        extra = (cost.seconds - step * cost.tokens) / max(cost.weight, 1e-9)
+        extra = self.drafting.extra(step)
         need = math.ceil(round(extra / (self.PROBE_BUDGET * max(step, 1e-9)), 6))  # NOTE: 20.000000004 is 20
         return max(self.PROBE_DRAFT_MAX, min(need, self.PROBE_DRAFT_CAP))
 

