@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from xtokspec.decode.rows import Acceptance, LinearCosts, Measured, RowDraftLengths, outcome
+from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome
+from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.types import expected_tokens
 
 
@@ -220,7 +221,7 @@ def served_at_eight_after_smaller_batches(policy: RowDraftLengths) -> dict:
 
 
 def test_a_size_where_drafting_measures_slower_drafts_nothing_whatever_the_model_predicts():
-    """The measured arms at 8 requests (`rows.Measured`) stop drafting the model still predicts to pay: within 3% of
+    """The measured arms at 8 requests (`measures.Measured`) stop drafting the model still predicts to pay: within 3% of
     the target alone over 1,000 steps, probes only."""
     result = served_at_eight_after_smaller_batches(RowDraftLengths(3))
     assert result["ratio"] >= 0.97 and result["drafting"] < 0.1, result

@@ -1,0 +1,152 @@
+"""What a server's steps measure, for the draft lengths of requests served together (`rows.RowDraftLengths`): a
+step's and a draft forward's costs as a plane in their sizes (`LinearCosts`), each request's acceptance
+(`Acceptance`, read from what vLLM committed after a proposal: `outcome`), and per batch size drafting against
+the target alone as both ran (`Measured`, the arms `policy.Fallback` compares in the loop). The rules that use them:
+rows.py's module docstring."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policy import DECAY, WARM_CYCLES, DraftingCost, Fallback
+
+
+class LinearCosts:
+    """Seconds as a line (a plane) in a few sizes, e.g. (requests, proposals): recent samples kept per size, each
+    size's median weighted by its sample count, fitted by least squares. A slope the sizes seen cannot show
+    (one value only) is held at 0, and no slope is negative: an unmeasured size is taken as cheap as the ones
+    measured (optimism: it is tried, then measured)."""
+
+    SAMPLES = 8  # recent samples kept per size
+    RIDGE = 1e-6  # a slope's pull to 0, against each sample's weight of 1
+
+    def __init__(self, features: int):
+        self.features = features
+        self.times: dict[tuple, collections.deque] = {}
+        # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
+        # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
+        # instead of taking every size's median again
+        self.points: dict[tuple, tuple[np.ndarray, float, int]] = {}  # size -> ((1, *size), median, count)
+        self.gram = np.zeros((features + 1, features + 1))  # sum of count * x x^T
+        self.moment = np.zeros(features + 1)  # sum of count * median * x
+        self.coef: list[float] | None = None
+
+    def observe(self, size: tuple, seconds: float) -> None:
+        size = tuple(size)
+        samples = self.times.setdefault(size, collections.deque(maxlen=self.SAMPLES))
+        samples.append(seconds)
+        if size in self.points:
+            self._add(*self.points[size], sign=-1.0)
+        x = np.array([1.0, *size])
+        self.points[size] = x, statistics.median(samples), len(samples)
+        self._add(*self.points[size])
+        self.coef = None
+
+    def _add(self, x: np.ndarray, median: float, count: int, sign: float = 1.0) -> None:
+        self.gram += sign * count * np.outer(x, x)
+        self.moment += sign * count * median * x
+
+    def seen(self, where) -> bool:
+        """Whether a size for which `where(size)` holds has been measured."""
+        return any(where(size) for size in self.times)
+
+    def __call__(self, *size) -> float:
+        if not self.times:
+            return 0.0
+        if self.coef is None:
+            self.coef = self._fit().tolist()  # NOTE: floats: a policy asks dozens of sizes per step, and a NumPy
+            # product of three numbers costs more than the Python sum
+        return max(0.0, self.coef[0] + sum(c * x for c, x in zip(self.coef[1:], size, strict=True)))
+
+    def _fit(self) -> np.ndarray:
+        """The normal equations of the weighted fit (the ridge on the free slopes only); a negative slope is
+        held at 0 and the rest refitted without it."""
+        free = list(range(1, self.features + 1))
+        ridge = self.RIDGE * np.diag([0.0] + [1.0] * self.features)
+        while True:
+            kept = [0, *free]
+            system = (self.gram + ridge)[np.ix_(kept, kept)] if len(free) < self.features else self.gram + ridge
+            coef = np.zeros(self.features + 1)
+            try:
+                coef[kept] = np.linalg.solve(system, self.moment[kept])
+            except np.linalg.LinAlgError:  # singular (sums drifted by cancellation): the least-squares answer
+                coef[kept] = np.linalg.lstsq(system, self.moment[kept], rcond=None)[0]
+            negative = [j for j in free if coef[j] < 0]
+            if not negative:
+                return coef
+            free = [j for j in free if j not in negative]
+
+
+@dataclass
+class Acceptance:
+    """One request's acceptance evidence (decayed counts: accepted proposals, rejections)."""
+
+    successes: float = 0.0
+    failures: float = 0.0
+    idle: int = 0  # steps since it last drafted
+
+    def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
+        self.successes = decay * self.successes + accepted
+        self.failures = decay * self.failures + rejected
+        self.idle = 0
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The per-token acceptance: its evidence, with the prior worth `weight` proposals."""
+        return (self.successes + weight * prior) / (self.successes + self.failures + weight)
+
+
+def outcome(proposed: Sequence[int], new: Sequence[int]) -> tuple[int, bool]:
+    """What vLLM did with a proposal, from the ids it committed next (the accepted proposals, then one it
+    sampled) -> (accepted, rejected). A position where vLLM's own token equals the proposal's was not verified
+    (the scheduler cut the proposal: a token budget, the context's end): no rejection, since a rejected position
+    is resampled without the proposed token."""
+    accepted = 0
+    for p, n in zip(proposed, new, strict=False):
+        if p != n:
+            break
+        accepted += 1
+    if accepted >= len(new):  # every committed id matched: the last one was sampled, its position not verified
+        return len(new) - 1, False
+    if accepted == len(proposed):
+        return accepted, False
+    return accepted, True
+
+
+@dataclass
+class Measured:
+    """What the steps of one batch size (requests in a step) have measured, whatever the model predicts: the
+    target alone's recent step times (each commits one token per request), and drafting's seconds per committed
+    token (decayed sums, as `policy.Fallback` keeps them); each step's seconds with the proposer's call before it."""
+
+    alone: collections.deque = field(default_factory=lambda: collections.deque(maxlen=Fallback.ALONE_SAMPLES))
+    drafting: DraftingCost = field(default_factory=DraftingCost)
+
+    ALONE_MIN = 2  # target-alone steps measured before a comparison
+
+    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+        if not drafted:
+            self.alone.append(seconds)
+            return
+        self.drafting.add(tokens, seconds)
+
+    def alone_wanted(self) -> bool:
+        """Drafting has been measured here, the target alone not yet enough for a comparison."""
+        return self.drafting.cycles >= WARM_CYCLES and len(self.alone) < self.ALONE_MIN
+
+    def per_token_alone(self, rows: int) -> float:
+        """The target alone's seconds per token at this size (`rows` requests, one token each a step)."""
+        return statistics.median(self.alone) / rows
+
+    def drafting_loses(self, rows: int) -> bool:
+        """Drafting has cost more per committed token than the target alone at this size (both measured)."""
+        if len(self.alone) < self.ALONE_MIN or self.drafting.cycles < WARM_CYCLES:
+            return False
+        return self.drafting.loses_to(self.per_token_alone(rows))
+
+
+UNMEASURED = Measured()  # a size no step has measured yet (read only)
