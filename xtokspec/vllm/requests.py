@@ -20,17 +20,23 @@ import numpy as np
 class Entry:
     """One request's state as the table sees it: the target ids it has seen, and the caller's payload."""
 
-    ids: np.ndarray  # (n,) the row's ids when it was last matched
+    raw: bytes = b""  # the row's ids when it was last matched, as bytes (compared with a row's prefix in one step)
+    dtype: np.dtype | None = None  # their dtype
     payload: object = None  # the caller's per-request state (None until the caller sets it)
     idle: int = 0  # consecutive propose calls in which no row matched it
     number: int = field(default=0)  # creation order: ties between equal matches go to the older entry
+    key: tuple | None = None  # its key in the table's index (None: not indexed)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """(n,) the ids it has seen (read only)."""
+        return np.frombuffer(self.raw, dtype=self.dtype if self.dtype is not None else np.int64)
 
 
 def key(ids, n: int, start: int = 0) -> tuple:
-    """What the index keys an entry that saw n ids by: n and its last (up to) 4 ids. `ids`: an array or a list of
-    the ids from position `start` on (the last 4 of the n among them)."""
-    last = ids[max(0, n - 4) - start : n - start]
-    return n, *(last.tolist() if isinstance(last, np.ndarray) else last)
+    """What the index keys an entry that saw n ids by: n and its last (up to) 4 ids. `ids`: a list of the ids
+    from position `start` on (the last 4 of the n among them)."""
+    return n, *ids[max(0, n - 4) - start : n - start]
 
 
 class RequestTable:
@@ -54,6 +60,8 @@ class RequestTable:
         the entry had seen: 0 for a new entry) -> the entry's `ids` become the row's. Entries that no row matched
         age by one call; those idle more than `idle_calls`, then the longest idle past `max_states`, are dropped."""
         pairs = []  # (-matched length, entry number, row, entry)
+        tails = {}  # row -> (its last ids as a list, where they start)
+        index = self.index
         for r, row in enumerate(rows):
             if row is None:
                 continue
@@ -61,10 +69,15 @@ class RequestTable:
             low = max(0, length - self.max_new - 1)
             offset = max(0, low - 3)
             tail = row[offset:length].tolist()  # the ids all its keys are made of, out of numpy once
+            tails[r] = tail, offset
             for n in range(length, low, -1):
-                for e in self.index.get(key(tail, n, offset), ()):
+                found = index.get(key(tail, n, offset))
+                if not found:
+                    continue
+                prefix = row[:n].tobytes()  # NOTE: one C comparison per entry found (numpy's are slower calls)
+                for e in found:
                     self.comparisons += 1
-                    if np.array_equal(row[:n], e.ids):
+                    if e.dtype == row.dtype and e.raw == prefix:
                         pairs.append((-n, e.number, r, e))
         pairs.sort(key=lambda p: p[:3])
         out: list[tuple[Entry, int] | None] = [None] * len(rows)
@@ -79,26 +92,32 @@ class RequestTable:
             if row is None:
                 continue
             if out[r] is None:
-                e = Entry(np.empty(0, dtype=row.dtype), number=self.created)
+                e = Entry(number=self.created)
                 self.created += 1
                 self.entries.append(e)
                 out[r] = (e, 0)
             e = out[r][0]
             self._unindex(e)
-            e.ids = np.array(row, copy=True)
+            e.raw, e.dtype = row.tobytes(), row.dtype
+            tail, offset = tails[r]
+            e.key = key(tail, len(row), offset)
             # NOTE: each bucket oldest first: ties between equal matches go to the older entry
-            bisect.insort(self.index.setdefault(key(e.ids, len(e.ids)), []), e, key=lambda x: x.number)
+            bucket = index.setdefault(e.key, [])
+            if bucket and bucket[-1].number > e.number:
+                bisect.insort(bucket, e, key=lambda x: x.number)
+            else:
+                bucket.append(e)
         self._drop()
         return out
 
     def _unindex(self, entry: Entry) -> None:
-        if len(entry.ids):
-            k = key(entry.ids, len(entry.ids))
-            bucket = self.index.get(k, [])
+        if entry.key is not None:
+            bucket = self.index.get(entry.key, [])
             if entry in bucket:
                 bucket.remove(entry)
             if not bucket:
-                self.index.pop(k, None)
+                self.index.pop(entry.key, None)
+            entry.key = None
 
     def discard(self, entry: Entry) -> None:
         """Drop one entry now (its payload handed to `on_drop`): a row that matched it gets a new entry next time.
