@@ -5,7 +5,9 @@ and the policy sees only what the proposer would measure. Nothing here depends o
 from __future__ import annotations
 
 import random
+import statistics
 
+import numpy as np
 import pytest
 
 from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome
@@ -38,6 +40,24 @@ def test_linear_costs_fit_a_plane_hold_unseen_slopes_at_zero_and_never_go_negati
     for m, t in ((1, 0.03), (2, 0.02), (4, 0.01)):
         falling.observe((m,), t)
     assert falling(1) == falling(8) == pytest.approx(0.02)  # a negative slope is held at 0: the weighted mean
+
+
+def test_linear_costs_running_sums_equal_the_sums_of_each_sizes_median_and_count():
+    """The fit's sums are updated per sample (a size's count and median move): after many samples at sizes seen
+    up to and past the samples kept, they equal the sums taken again from every size's median and count."""
+    rng = random.Random(1)
+    costs = LinearCosts(2)
+    for _ in range(500):
+        size = (rng.randrange(1, 9), rng.randrange(0, 25))
+        costs.observe(size, rng.random() * 0.05)
+    gram, moment = np.zeros((3, 3)), np.zeros(3)
+    for size, samples in costs.times.items():
+        x = np.array([1.0, *size])
+        gram += len(samples) * np.outer(x, x)
+        moment += len(samples) * statistics.median(samples) * x
+    assert max(len(s) for s in costs.times.values()) == LinearCosts.SAMPLES
+    np.testing.assert_allclose(costs.gram, gram, rtol=1e-12)
+    np.testing.assert_allclose(costs.moment, moment, rtol=1e-9)
 
 
 class Server:

@@ -31,7 +31,8 @@ class LinearCosts:
         # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
         # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
         # instead of taking every size's median again
-        self.points: dict[tuple, tuple[np.ndarray, float, int]] = {}  # size -> ((1, *size), median, count)
+        self.points: dict[tuple, tuple[np.ndarray, np.ndarray, float, int]] = {}  # size -> ((1, *size), its outer
+        # product, median, count)
         self.gram = np.zeros((features + 1, features + 1))  # sum of count * x x^T
         self.moment = np.zeros(features + 1)  # sum of count * median * x
         self.coef: list[float] | None = None
@@ -41,15 +42,20 @@ class LinearCosts:
         samples = self.times.setdefault(size, collections.deque(maxlen=self.SAMPLES))
         samples.append(seconds)
         if size in self.points:
-            self._add(*self.points[size], sign=-1.0)
-        x = np.array([1.0, *size])
-        self.points[size] = x, statistics.median(samples), len(samples)
-        self._add(*self.points[size])
+            x, outer, median, count = self.points[size]
+        else:
+            x = np.array([1.0, *size])
+            outer, median, count = np.outer(x, x), 0.0, 0
+        ordered = sorted(samples)  # NOTE: the median by hand: statistics.median costs more on 8 values
+        middle = len(ordered) // 2
+        new = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        # the size's share of the sums moves by its new count and median (each step costs one update, not a
+        # removal and an addition)
+        if len(samples) != count:
+            self.gram += (len(samples) - count) * outer
+        self.moment += (len(samples) * new - count * median) * x
+        self.points[size] = x, outer, new, len(samples)
         self.coef = None
-
-    def _add(self, x: np.ndarray, median: float, count: int, sign: float = 1.0) -> None:
-        self.gram += sign * count * np.outer(x, x)
-        self.moment += sign * count * median * x
 
     def seen(self, where) -> bool:
         """Whether a size for which `where(size)` holds has been measured."""
