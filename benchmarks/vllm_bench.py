@@ -21,7 +21,9 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 `xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
 `null` (fixtures): vLLM's speculative path with a proposer that never proposes (`common.NullProposer`), so every
-step verifies zero drafted tokens: what that path costs by itself.
+step verifies zero drafted tokens: what that path costs by itself. `alone_again` (fixtures): a second engine of the
+target alone, timed as any other system: the spread of the bench itself (an A/A control), under which no ratio
+to the target alone is resolved.
 
 `xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
@@ -94,6 +96,9 @@ def preset(name: str, k: int) -> dict:
     if name == "fixtures":
         return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
             "alone": {},
+            # a second engine of the target alone: the bench's own spread (an A/A control), where a system's
+            # ratio to the target alone can be no better resolved
+            "alone_again": {},
             "draft_model": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-same")}},
             "tli": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-bpe"),
                                            "use_heterogeneous_vocab": True}},
