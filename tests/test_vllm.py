@@ -40,6 +40,7 @@ from xtokspec.vllm.batch import draft_together, prefill_tail
 from xtokspec.vllm.drafts import RequestDraft, complete_prefix
 from xtokspec.vllm.proposer import TextBridgeProposer
 from xtokspec.vllm.requests import RequestTable
+from xtokspec.vllm.settings import ProposerStats
 
 K = 3
 EOS = 2  # the fixture target's
@@ -757,23 +758,26 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
 @pytest.fixture
 def platform_kernels():
     """vLLM's CPU platform kernels registered as every vLLM worker registers them at its start, and the rejection
-    sampler's top-k and forward unrepaired; the dispatcher's expand kernel, the top-k and the forward as they were
-    afterwards."""
+    sampler's top-k and forward and the model runner's input preparation unrepaired; each as it was afterwards."""
     from vllm.platforms import current_platform
     from vllm.triton_utils import dispatcher
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     before = dispatcher._registry.get(cpu_sampling.EXPAND_KERNEL)
     top_k = rejection_sampler.apply_top_k_top_p
     rejection_sampler.apply_top_k_top_p = getattr(top_k, "skips_empty", top_k)
     forward = rejection_sampler.RejectionSampler.forward
     rejection_sampler.RejectionSampler.forward = getattr(forward, "samples_without_drafts", forward)
+    prepare = GPUModelRunner._prepare_inputs
+    GPUModelRunner._prepare_inputs = getattr(prepare, "prepares_plain", prepare)
     current_platform.register_triton_kernel_overrides()
     yield
     if before is not None:
         cpu_sampling.register_expand(before[1])
     rejection_sampler.apply_top_k_top_p = top_k
     rejection_sampler.RejectionSampler.forward = forward
+    GPUModelRunner._prepare_inputs = prepare
 
 
 def sentinel_allocations(monkeypatch) -> None:
@@ -812,7 +816,7 @@ def test_vllms_cpu_expand_kernel_drops_float32_and_int32_and_the_repair_writes_t
             assert torch.equal(got, want)
         else:  # nothing written
             assert got.isnan().all() if got.is_floating_point() else (got == -1).all(), (got, want)
-    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts", "plain_steps"]
     for got, want in zip(expanded(), wanted, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
     assert not cpu_sampling.faulty_expand_registered() and cpu_sampling.repair_cpu_sampling() == []
@@ -860,7 +864,7 @@ def test_vllms_cpu_top_k_fails_on_a_step_without_drafts_and_the_repair_skips_it(
     no_drafts = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"numel\(\) == 0"):
         apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only)
-    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
+    assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts", "plain_steps"]
     assert apply_sampling_constraints(torch.empty(0, 16), no_drafts, top_k_only).shape == (0, 16)
     logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))  # (T=4 drafted positions, V)
     for metadata in (top_k_only, with_top_p):
@@ -1113,7 +1117,7 @@ def vllm_outputs(request, heldout_prompts):
     gc.collect()
     if "sampling_draft_model" in parts:  # vLLM's own speculative method, repaired by hand as a user would
         llm = LLM(**llm_kwargs(speculative_config={**SAME_TOKENIZER_DRAFT, "num_speculative_tokens": K}))
-        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts"]
+        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts", "plain_steps"]
         results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
         del llm
         gc.collect()
@@ -1360,6 +1364,9 @@ def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
     assert vllm_outputs["proposer"]["fixed batch"] == vllm_outputs["alone"]["batch"]
     (proposer,) = vllm_outputs["proposers"]
     assert proposer.stats.rows > 0 and proposer.states <= 2 * 8
+    # steps without drafts (prefills, steps the policy drafted nothing in) were prepared as without speculative
+    # decoding, in the engine whose greedy output the tests above hold to the target alone's
+    assert proposer.plain_steps and proposer.stats.plain_steps > 0
 
 
 # ---------------------------------------------------------------------------------------------- vllm serve
@@ -1514,6 +1521,42 @@ def test_vllm_serve_answers_concurrent_requests_as_the_target_alone(vllm_server,
     # drafts; 20-27 drafted, 3-5 accepted measured on these requests (AMD EPYC, AVX2), where drafting K at every
     # step accepts 11%
     assert drafted > 0, "the server's spec-decode counters saw no drafted tokens: the proposer was not reached"
+
+
+def test_a_step_without_drafts_is_prepared_without_the_speculative_path_for_a_proposer_that_asks():
+    """`cpu_sampling.prepare_without_drafts`: vLLM's input preparation sees no speculative config in a step where
+    no request has a drafted token, for a runner whose drafter asks (`plain_steps`, counted in its stats); a step
+    with drafts, or a drafter that does not ask, sees it; the config is back after the call, a failing one
+    included."""
+    seen = []
+
+    def prepare(self, scheduler_output, counts):
+        seen.append(self.speculative_config)
+        if counts == "fail":
+            raise ValueError("inside vLLM")
+        return "prepared"
+
+    spec = object()
+    asks = types.SimpleNamespace(plain_steps=True, stats=ProposerStats())
+    runner = types.SimpleNamespace(speculative_config=spec, drafter=asks)
+    wrapped = cpu_sampling.prepare_without_drafts(prepare)
+    no_drafts, drafts = (types.SimpleNamespace(scheduled_spec_decode_tokens=t) for t in ({}, {"req-1": [5, 6]}))
+    assert wrapped(runner, no_drafts, [1]) == "prepared" and seen == [None] and runner.speculative_config is spec
+    assert wrapped(runner, drafts, [3]) == "prepared" and seen[-1] is spec
+    with pytest.raises(ValueError, match="inside vLLM"):
+        wrapped(runner, no_drafts, "fail")
+    assert seen[-1] is None and runner.speculative_config is spec and asks.stats.plain_steps == 2
+    runner.drafter = types.SimpleNamespace(plain_steps=False)  # vLLM's own drafters have no such attribute either
+    assert wrapped(runner, no_drafts, [1]) == "prepared" and seen[-1] is spec
+    assert wrapped.prepares_plain is prepare
+
+
+def test_a_target_with_recurrent_state_keeps_its_steps_without_drafts_speculative():
+    plain = types.SimpleNamespace(is_hybrid=False, is_attention_free=False, has_inner_state=False)
+    assert not cpu_sampling.recurrent(plain)
+    for name in vars(plain):
+        assert cpu_sampling.recurrent(types.SimpleNamespace(**{**vars(plain), name: True}))
+    assert cpu_sampling.recurrent(types.SimpleNamespace())  # unknown: as recurrent
 
 
 def test_a_step_without_drafts_samples_with_the_ordinary_sampler_only():

