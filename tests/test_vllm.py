@@ -1117,7 +1117,10 @@ def vllm_outputs(request, heldout_prompts):
     gc.collect()
     if "sampling_draft_model" in parts:  # vLLM's own speculative method, repaired by hand as a user would
         llm = LLM(**llm_kwargs(speculative_config={**SAME_TOKENIZER_DRAFT, "num_speculative_tokens": K}))
-        assert cpu_sampling.repair_cpu_sampling() == ["expand", "top_k", "no_drafts", "plain_steps"]
+        # NOTE: "expand" at least (this engine's worker registered the faulty kernel); the others once per process,
+        # and a proposer built by an earlier test may have applied them
+        assert "expand" in cpu_sampling.repair_cpu_sampling()
+        assert not cpu_sampling.faulty_expand_registered() and not cpu_sampling.top_k_fails_without_drafts()
         results["draft_model"] = {"sampling": sample(llm, sample_prompt, 1.0)}
         del llm
         gc.collect()
