@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome
+from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome, solve_small
 from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.types import expected_tokens
 
@@ -40,6 +40,20 @@ def test_linear_costs_fit_a_plane_hold_unseen_slopes_at_zero_and_never_go_negati
     for m, t in ((1, 0.03), (2, 0.02), (4, 0.01)):
         falling.observe((m,), t)
     assert falling(1) == falling(8) == pytest.approx(0.02)  # a negative slope is held at 0: the weighted mean
+
+
+def test_the_small_solver_agrees_with_numpy_and_refuses_a_singular_system():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3):
+        for _ in range(50):
+            a, b = rng.normal(size=(n, n)) * 10 ** rng.uniform(-3, 6), rng.normal(size=n)
+            np.testing.assert_allclose(solve_small(a.tolist(), b.tolist()), np.linalg.solve(a, b), rtol=1e-6,
+                                       atol=1e-9 * float(np.abs(np.linalg.solve(a, b)).max()))
+    # one size seen: its slope shows nothing, and the ridge alone keeps the system solvable
+    one = [[8.0, 8.0 * 7], [8.0 * 7, 8.0 * 49 + 1e-6]]
+    np.testing.assert_allclose(solve_small(one, [1.0, 7.0]), np.linalg.solve(np.array(one), [1.0, 7.0]), rtol=1e-6)
+    assert solve_small([[1.0, 2.0], [2.0, 4.0]], [1.0, 2.0]) is None
+    assert solve_small([[0.0]], [1.0]) is None
 
 
 def test_linear_costs_running_sums_equal_the_sums_of_each_sizes_median_and_count():

@@ -7,6 +7,7 @@ rows.py's module docstring."""
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,31 +31,31 @@ class LinearCosts:
         self.times: dict[tuple, collections.deque] = {}
         # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
         # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
-        # instead of taking every size's median again
-        self.points: dict[tuple, tuple[np.ndarray, np.ndarray, float, int]] = {}  # size -> ((1, *size), its outer
-        # product, median, count)
-        self.gram = np.zeros((features + 1, features + 1))  # sum of count * x x^T
-        self.moment = np.zeros(features + 1)  # sum of count * median * x
+        # instead of taking every size's median again. NOTE: Python floats, not NumPy: the system is at most 3 x 3
+        # and is solved at every proposer call, where NumPy's per-call overhead was most of the policy's time
+        self.points: dict[tuple, tuple[tuple[float, ...], float, int]] = {}  # size -> ((1, *size), median, count)
+        self.gram = [[0.0] * (features + 1) for _ in range(features + 1)]  # sum of count * x x^T
+        self.moment = [0.0] * (features + 1)  # sum of count * median * x
         self.coef: list[float] | None = None
 
     def observe(self, size: tuple, seconds: float) -> None:
         size = tuple(size)
         samples = self.times.setdefault(size, collections.deque(maxlen=self.SAMPLES))
         samples.append(seconds)
-        if size in self.points:
-            x, outer, median, count = self.points[size]
-        else:
-            x = np.array([1.0, *size])
-            outer, median, count = np.outer(x, x), 0.0, 0
+        x, median, count = self.points.get(size) or ((1.0, *map(float, size)), 0.0, 0)
         ordered = sorted(samples)  # NOTE: the median by hand: statistics.median costs more on 8 values
         middle = len(ordered) // 2
         new = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-        # the size's share of the sums moves by its new count and median (each step costs one update, not a
-        # removal and an addition)
-        if len(samples) != count:
-            self.gram += (len(samples) - count) * outer
-        self.moment += (len(samples) * new - count * median) * x
-        self.points[size] = x, outer, new, len(samples)
+        # the size's share of the sums moves by its new count and median (one update a sample, not a removal and
+        # an addition)
+        grown, moved = len(samples) - count, len(samples) * new - count * median
+        for i, xi in enumerate(x):
+            if grown:
+                row = self.gram[i]
+                for j, xj in enumerate(x):
+                    row[j] += grown * xi * xj
+            self.moment[i] += moved * xi
+        self.points[size] = x, new, len(samples)
         self.coef = None
 
     def seen(self, where) -> bool:
@@ -65,27 +66,48 @@ class LinearCosts:
         if not self.times:
             return 0.0
         if self.coef is None:
-            self.coef = self._fit().tolist()  # NOTE: floats: a policy asks dozens of sizes per step, and a NumPy
-            # product of three numbers costs more than the Python sum
+            self.coef = self._fit()
         return max(0.0, self.coef[0] + sum(c * x for c, x in zip(self.coef[1:], size, strict=True)))
 
-    def _fit(self) -> np.ndarray:
+    def _fit(self) -> list[float]:
         """The normal equations of the weighted fit (the ridge on the free slopes only); a negative slope is
         held at 0 and the rest refitted without it."""
         free = list(range(1, self.features + 1))
-        ridge = self.RIDGE * np.diag([0.0] + [1.0] * self.features)
         while True:
             kept = [0, *free]
-            system = (self.gram + ridge)[np.ix_(kept, kept)] if len(free) < self.features else self.gram + ridge
-            coef = np.zeros(self.features + 1)
-            try:
-                coef[kept] = np.linalg.solve(system, self.moment[kept])
-            except np.linalg.LinAlgError:  # singular (sums drifted by cancellation): the least-squares answer
-                coef[kept] = np.linalg.lstsq(system, self.moment[kept], rcond=None)[0]
+            system = [[self.gram[i][j] + (self.RIDGE if i == j and i else 0.0) for j in kept] for i in kept]
+            solved = solve_small(system, [self.moment[i] for i in kept])
+            if solved is None:  # singular (sums drifted by cancellation): the least-squares answer
+                solved = np.linalg.lstsq(np.array(system), np.array([self.moment[i] for i in kept]),
+                                         rcond=None)[0].tolist()
+            coef = [0.0] * (self.features + 1)
+            for i, c in zip(kept, solved, strict=True):
+                coef[i] = c
             negative = [j for j in free if coef[j] < 0]
             if not negative:
                 return coef
             free = [j for j in free if j not in negative]
+
+
+def solve_small(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a x = b for a small square system (Gaussian elimination, partial pivoting, as LAPACK's solve), or
+    None where a pivot is exactly 0 (where NumPy's solve raises) or the answer is not finite."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if m[pivot][col] == 0.0:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x if all(math.isfinite(v) for v in x) else None
 
 
 @dataclass
