@@ -46,10 +46,25 @@ def test_the_first_run_of_the_target_alone_is_not_timed_and_pairs_alternate():
 
 def test_the_report_gives_the_median_ratio_and_its_spread_and_says_who_pays_the_first_forwards():
     lines = compare_report([10.0, 12.0, 11.0], [5.0, 6.0, 5.5], threads=1, load=0.0, cpus=2)
-    assert len(lines) == 1, lines  # quiet machine, ratios all 2.0: no notes
+    assert len(lines) == 2, lines  # quiet machine, ratios all 2.0: the verdict, no notes
     assert "2.00x, the median of 3 pairs" in lines[0] and "IQR 2.00-2.00x" in lines[0]
+    assert "the middle pair 12.0 against 6.0 tokens/s" in lines[0]  # every pair at 2.0x: sorted stably
     assert "1 torch thread both sides" in lines[0]
     assert "neither side pays the process's first forwards" in lines[0]
+    assert "ran faster than the target alone" in lines[1]
+
+
+def test_the_tokens_per_second_shown_are_the_median_pairs_not_each_sides_median():
+    # each side's own median (48.0 against 48.8 tokens/s) points the other way from the median ratio (1.15x)
+    ours, alone = [60.0, 55.0, 40.0, 48.0, 30.0], [50.0, 48.0, 48.8, 60.0, 20.0]
+    lines = compare_report(ours, alone, threads=1, load=0.0, cpus=2)
+    assert "1.15x" in lines[0] and "the middle pair 55.0 against 48.0 tokens/s" in lines[0], lines
+    assert lines[1].startswith("not resolved"), lines  # ratios 0.80-1.50: on both sides of 1x
+
+
+def test_a_ratio_resolved_below_one_is_called_slower():
+    lines = compare_report([9.0, 9.5, 8.0, 9.2], [10.0, 10.0, 10.0, 10.0], threads=1, load=0.0, cpus=2)
+    assert "ran slower than the target alone" in lines[1], lines
 
 
 def test_a_wide_spread_is_noted_and_a_narrow_one_is_not():

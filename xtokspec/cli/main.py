@@ -168,16 +168,25 @@ def time_sides(ours: Callable[[], int], alone: Callable[[], int], runs: int,
 def compare_report(ours_tps: list[float], alone_tps: list[float], threads: int, load: float | None,
                    cpus: int) -> list[str]:
     """--compare's lines: the median of the pairs' ratios (xtokspec over the target alone) with its interquartile
-    range, then a note where that range is wide (> WIDE_SPREAD of the median) and one where other work competes
-    for the CPUs (the 1-minute load average when the command started plus this process's torch threads exceed
-    the machine's CPUs by more than BUSY_MARGIN)."""
-    ratios = sorted(o / a for o, a in zip(ours_tps, alone_tps, strict=True))
+    range and the tokens/s of the pair at the median (each side's own median would pair runs that were not timed
+    together, and may point the other way), whether the ratio is resolved (the interquartile range on one side of
+    1x), then a note where that range is wide (> WIDE_SPREAD of the median) and one where other work competes for
+    the CPUs (the 1-minute load average when the command started plus this process's torch threads exceed the
+    machine's CPUs by more than BUSY_MARGIN)."""
+    pairs = sorted(zip(ours_tps, alone_tps, strict=True), key=lambda pair: pair[0] / pair[1])
+    ratios = [o / a for o, a in pairs]
     median = statistics.median(ratios)
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (median,) * 3
+    ours, alone = pairs[(len(pairs) - 1) // 2]
     lines = [f"xtokspec / the target alone: {median:.2f}x, the median of {len(ratios)} pairs of alternating runs "
-             f"(IQR {low:.2f}-{high:.2f}x; {statistics.median(ours_tps):.1f} against {statistics.median(alone_tps):.1f} "
-             f"tokens/s); {threads} torch thread{'s' if threads != 1 else ''} both sides; neither side pays the "
-             "process's first forwards (each side's first run is not timed)"]
+             f"(IQR {low:.2f}-{high:.2f}x; the middle pair {ours:.1f} against {alone:.1f} tokens/s); {threads} "
+             f"torch thread{'s' if threads != 1 else ''} both sides; neither side pays the process's first forwards "
+             "(each side's first run is not timed)"]
+    if low > 1 or high < 1:
+        lines.append(f"xtokspec ran {'faster' if low > 1 else 'slower'} than the target alone in at least three "
+                     "pairs out of four")
+    else:
+        lines.append("not resolved: the pairs' ratios fall on both sides of 1x")
     if (high - low) > WIDE_SPREAD * median:
         lines.append(f"note: the runs spread widely (IQR {(high - low) / median:.0%} of the median): read the "
                      "ratio as rough; --compare-runs takes more pairs")
