@@ -38,7 +38,12 @@ requests a fresh proposer serves, before it has learned anything), then each bat
 prompts; the table gives their median and a one-sided 95% bootstrap lower bound. `--interleave`: each round
 builds every system's engine at once (all alive in this process), runs their cold starts, then each batch of
 prompts on every engine in turn, the order alternating from batch to batch: a ratio then pairs two runs minutes
-apart at most, not two builds (this machine's speed drifts from build to build by up to a third). Drafted and accepted tokens are
+apart at most, not two builds (this machine's speed drifts from build to build by up to a third). `--lockstep`
+(implies `--interleave`): each batch of prompts is added to every engine at once and the engines are stepped in
+turn, each step timed, the order rotating from step to step: a ratio then pairs steps tens of milliseconds apart
+(the same engine against itself differed by 10-30% from one batch of prompts to the next when batches ran one
+after another, as much in CPU time as in wall time: the machine's speed, not preemption; in lockstep by about 1%).
+A proposer's clock is shifted past the other engines' steps, so that it times its own target's steps. Drafted and accepted tokens are
 vLLM's own spec-decode counters; "rows drafting" is the share of the proposer's rows that drafted; the proposer's
 own time per step is split between steps where some row drafted and steps where none did; "identical" counts the
 requests whose token ids equal the target alone's in the same round (`--margins` measures the logit gap where
@@ -178,6 +183,49 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int, temperature: flo
     return time.perf_counter() - t0, outputs
 
 
+def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: float = 0.0,
+                 first_seed: int = 0) -> dict[str, tuple[float, list[list[int]]]]:
+    """One batch of prompts on every engine at once, stepped in turn (`--lockstep`; `engines`: name -> (LLM, its
+    xtokspec proposers)): each engine's steps are timed one by one, the engines' order rotating from step to
+    step, until every request has ended -> per engine, the seconds its steps took and each request's token ids
+    (request n seeded with first_seed + n where sampled). A proposer times its target's step as the interval
+    between its calls: the other engines' steps in that interval are moved out of it (its clock's last reading
+    shifted by their seconds), so that it measures what it would running alone."""
+    from vllm import SamplingParams
+
+    names, asked = list(engines), {}
+    for name in names:
+        engine = engines[name][0].llm_engine
+        asked[name] = [f"lockstep-{time.monotonic_ns()}-{n}" for n in range(len(batch))]
+        for n, (request, prompt) in enumerate(zip(asked[name], batch, strict=True)):
+            engine.add_request(request, prompt, SamplingParams(
+                temperature=temperature, max_tokens=new_tokens, ignore_eos=False,
+                seed=first_seed + n if temperature else None))
+    seconds, done = dict.fromkeys(names, 0.0), {name: {} for name in names}
+    step = 0
+    while any(engines[name][0].llm_engine.has_unfinished_requests() for name in names):
+        # NOTE: rotated, not reversed: with three engines or more, reversing runs the first and last twice in a row
+        # (their weights still in the caches) and never the middle one; rotated, every engine follows another
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:
+            engine = engines[name][0].llm_engine
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            spent = time.perf_counter() - t0
+            seconds[name] += spent
+            for other in names:
+                for proposer in engines[other][1] if other != name else ():
+                    if proposer._last_end is not None:
+                        proposer._last_end += spent
+            for output in outputs:
+                if output.finished:
+                    done[name][output.request_id] = list(output.outputs[0].token_ids)
+        step += 1
+    return {name: (seconds[name], [done[name][request] for request in asked[name]]) for name in names}
+
+
 def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, chosen: dict, check: bool) -> dict:
     """One engine build of system `name`: the cold start (the `warm` prompts, one batch, timed), then each batch
     size over `prompts`, every `generate` call timed."""
@@ -249,6 +297,13 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
         rows = {name: {"times": [], "outputs": [], "drafted": 0, "accepted": 0} for name in names}
         stats0 = {name: dataclasses.replace(ps[-1].stats) for name, (_, ps) in engines.items() if ps}
         for n, one in enumerate(batches):
+            if args.lockstep:
+                stepped = run_lockstep({name: engines[name] for name in (names if n % 2 == 0 else names[::-1])},
+                                       one, args.new_tokens, args.temperature, len(rows[names[0]]["outputs"]))
+                for name, (seconds, out) in stepped.items():
+                    rows[name]["times"].append(seconds)
+                    rows[name]["outputs"] += out
+                continue
             for name in names if n % 2 == 0 else names[::-1]:
                 before = spec_counts()  # NOTE: summed over the engines' series: only this engine runs meanwhile
                 seconds, out = run_batches(engines[name][0], [one], args.new_tokens, args.temperature,
@@ -442,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interleave", action="store_true", help="each round builds every system's engine at once "
                         "and runs each batch of prompts on all of them in turn (ratios paired in time, not only by "
                         "round)")
+    parser.add_argument("--lockstep", action="store_true", help="as --interleave, but each batch of prompts runs on "
+                        "every engine at once, their steps timed one by one in turn (ratios paired step by step)")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
     parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
@@ -481,7 +538,9 @@ def main() -> None:
               f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, "
               f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
-              + (f"{args.rounds} rounds, each building every engine at once and running each batch of prompts on "
+              + (f"{args.rounds} rounds, each building every engine at once and stepping all of them in turn over "
+                 "each batch of prompts, each step timed (lockstep, the order rotating)" if args.lockstep else
+                 f"{args.rounds} rounds, each building every engine at once and running each batch of prompts on "
                  "all of them in turn (the order alternating)" if args.interleave else
                  f"{args.rounds} rounds of engine builds in alternating order (ABBA)")
               + f", cold start: {len(warm)} other "
@@ -508,7 +567,7 @@ def main() -> None:
 
     for n in range(args.rounds):
         order = names if n % 2 == 0 else names[::-1]
-        if args.interleave:
+        if args.interleave or args.lockstep:
             print(f"round {n + 1}/{args.rounds}: {', '.join(order)} together", flush=True)
             built = measure_together(order, prompts, warm, args, chosen, check=n == 0)
             for name in names:

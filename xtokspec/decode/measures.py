@@ -63,11 +63,21 @@ class LinearCosts:
         return any(where(size) for size in self.times)
 
     def __call__(self, *size) -> float:
-        if not self.times:
-            return 0.0
-        if self.coef is None:
-            self.coef = self._fit()
-        return max(0.0, self.coef[0] + sum(c * x for c, x in zip(self.coef[1:], size, strict=True)))
+        coef = self.coef
+        if coef is None:
+            if not self.times:
+                return 0.0
+            coef = self.coef = self._fit()
+        if len(size) != self.features:
+            raise ValueError(f"{self.features} sizes expected, got {size}")
+        # NOTE: unrolled for one and two sizes: the policy evaluates the plane a dozen times per proposer call
+        if self.features == 1:
+            value = coef[0] + coef[1] * size[0]
+        elif self.features == 2:
+            value = coef[0] + coef[1] * size[0] + coef[2] * size[1]
+        else:
+            value = coef[0] + sum(c * x for c, x in zip(coef[1:], size, strict=True))
+        return value if value > 0.0 else 0.0
 
     def _fit(self) -> list[float]:
         """The normal equations of the weighted fit (the ridge on the free slopes only); a negative slope is

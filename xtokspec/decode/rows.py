@@ -230,14 +230,18 @@ class RowDraftLengths:
         their seconds); twice, the second time at the rate the first choice gives."""
         top = self.step_cost(rows, k * len(a))
         slope = max(0.0, (top - base) / (k * len(a)))
+        last = None
         for _ in range(2):
             lengths = [self._length(ai, k, rate, slope) for ai in a]
+            if lengths == last:
+                break  # the same choice again: the same rate
             drafting = sum(x > 0 for x in lengths)
             if not drafting:
                 return lengths, 0.0, base
             cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(drafting, k, sum(lengths), ways)[0]
             tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
             rate = tokens / max(cost, 1e-9)
+            last = lengths
         return lengths, rate, cost
 
     @staticmethod
