@@ -22,9 +22,9 @@ class LinearCosts:
     size's median weighted by its sample count, fitted by least squares. A slope the sizes seen cannot show
     (one value only) is held at 0, and no slope is negative: an unmeasured size is taken as cheap as the ones
     measured (optimism: it is tried, then measured). A size's first sample is held back: vLLM's first step at a
-    new shape pays one-time costs (kernel selection, allocations; on one core of an AVX2 EPYC a first step of 8
-    requests verifying 8 proposals took 187 ms, the next 25 ms), and a size the policy then avoids would keep
-    that figure as its median; held back, the size counts as unmeasured, hence cheap, and is tried again."""
+    new shape pays one-time costs (kernel selection, allocations: several times the next step's, BENCHMARKS.md,
+    "vLLM"), and a size the policy then avoids would keep that figure as its median; held back, the size counts
+    as unmeasured, hence cheap, and is tried again."""
 
     SAMPLES = 8  # recent samples kept per size
     RIDGE = 1e-6  # a slope's pull to 0, against each sample's weight of 1
