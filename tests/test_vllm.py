@@ -1351,18 +1351,18 @@ def test_vllm_reports_drafts_accepted(vllm_outputs, record_property):
     """vLLM's spec-decode metrics see the proposer's drafts and their acceptance. The share is held to its bar
     where K ids are drafted at every step (`fixed batch`, 8 greedy requests at once, whose output must also be the
     target alone's): the default per-request lengths follow this machine's timings, and at batch 8 may draft only
-    a probe or two, so there the greedy parts must only show drafts accepted."""
+    a probe or two, so there the greedy parts (hostile text included) must only show drafts accepted, together."""
     adaptive = [0, 0]
     for case, (drafted, accepted) in vllm_outputs["counts"].items():
         print(f"{case}: {accepted} of {drafted} drafted tokens accepted")
         record_property(f"{case}_drafted_accepted", f"{drafted}/{accepted}")
-        if case in ("single", "batch"):
+        if case in ("single", "batch", "hostile"):
             adaptive[0] += drafted
             adaptive[1] += accepted
         elif case == "fixed batch":
             # NOTE: 22-27% measured on these prompts; vLLM's TLI with the same draft accepts ~1% (vllm_bench.py)
             assert drafted > 0 and accepted / drafted >= 0.15, f"{case}: {accepted} of {drafted} accepted"
-        else:  # greedy drafts against T=1 samples, or hostile text: not held to the bar
+        else:  # greedy drafts, K at every step, against T=1 samples: not held to the bar
             assert drafted > 0 and accepted > 0, f"{case}: the proposer's drafts were never accepted"
     assert adaptive[0] > 0 and adaptive[1] > 0, f"per-request lengths: {adaptive[1]} of {adaptive[0]} accepted"
     assert vllm_outputs["proposer"]["fixed batch"] == vllm_outputs["alone"]["batch"]
