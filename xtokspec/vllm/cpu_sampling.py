@@ -21,9 +21,8 @@ position's temperature, top-k and top-p before the drafts are verified:
    rejection sampler's reference to `apply_top_k_top_p` is wrapped to return the (empty) logits as they are.
 
 3. A step without drafts pays for the rejection sampler. The same steps (T = 0) still run its recovered-token and
-   random-sample kernels over nothing, beside the bonus token's ordinary sampling: on one core of an AVX2 EPYC,
-   fixture pair, T=0.7, about 2 ms of a 35-ms step at batch 8 in cProfile, and vLLM's speculative path with a
-   proposer that never proposes ran 0.96-0.97x the target alone. With no drafted position the rejection sampler's
+   random-sample kernels over nothing, beside the bonus token's ordinary sampling (what that cost at T=0.7:
+   BENCHMARKS.md, "vLLM", and its folder's README). With no drafted position the rejection sampler's
    output is its bonus tokens, which the ordinary sampler draws with the same parameters and generators:
    `sample_without_drafts` wraps `RejectionSampler.forward` to return the ordinary sampler's output there, as a
    step without speculative decoding does.
