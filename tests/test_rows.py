@@ -35,9 +35,9 @@ def test_linear_costs_fit_a_plane_hold_unseen_slopes_at_zero_and_never_go_negati
                 costs.observe((b, p), 0.010 + 0.003 * b + 0.001 * p + noise)
     assert costs(6, 10) == pytest.approx(0.010 + 0.018 + 0.010, abs=1e-4)
     one = LinearCosts(1)
-    one.observe((3,), 0.5)
-    assert one(3) == 0.0 and not one.measured((3,))  # a first sample alone: unmeasured, taken as cheap
-    one.observe((3,), 0.02)
+    assert one.observe((3,), 0.5) is False
+    assert one(3) == 0.0 and not one.times  # a first sample alone: unmeasured, taken as cheap
+    assert one.observe((3,), 0.02) is True
     assert one(3) == pytest.approx(0.02) and one(8) == pytest.approx(0.02, abs=1e-6)  # no slope seen: none assumed
     falling = LinearCosts(1)
     for m, t in ((1, 0.03), (2, 0.02), (4, 0.01)):

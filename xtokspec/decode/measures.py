@@ -42,13 +42,14 @@ class LinearCosts:
         self.coef: list[float] | None = None
         self.held: set[tuple] = set()  # sizes whose first sample was held back
 
-    def observe(self, size: tuple, seconds: float) -> None:
+    def observe(self, size: tuple, seconds: float) -> bool:
+        """One more sample at `size` -> whether it counts (False: the size's first, held back)."""
         size = tuple(size)
         samples = self.times.get(size)
         if samples is None:
             if size not in self.held:
                 self.held.add(size)
-                return
+                return False
             samples = self.times[size] = collections.deque(maxlen=self.SAMPLES)
         samples.append(seconds)
         x, median, count = self.points.get(size) or ((1.0, *map(float, size)), 0.0, 0)
@@ -66,10 +67,7 @@ class LinearCosts:
             self.moment[i] += moved * xi
         self.points[size] = x, new, len(samples)
         self.coef = None
-
-    def measured(self, size: tuple) -> bool:
-        """Whether `size` has samples (its first one, held back, does not count)."""
-        return tuple(size) in self.times
+        return True
 
     def seen(self, where) -> bool:
         """Whether a size for which `where(size)` holds has been measured."""

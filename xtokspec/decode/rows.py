@@ -102,12 +102,11 @@ class RowDraftLengths:
         `tokens` (None: not known)."""
         if rows <= 0:
             return
-        first = not self.target.measured((rows, proposals))
-        self.target.observe((rows, proposals), seconds)
+        counted = self.target.observe((rows, proposals), seconds)
         self.steps += 1
         # NOTE: the arms count the steps that ran what was chosen: drafting that proposed, the target alone; not
         # a size's first step, whose one-time costs LinearCosts holds back too
-        if first:
+        if not counted:
             return
         if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
             self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
