@@ -43,7 +43,9 @@ apart at most, not two builds (this machine's speed drifts from build to build b
 turn, each step timed, the order rotating from step to step: a ratio then pairs steps tens of milliseconds apart
 (the same engine against itself differed by 10-30% from one batch of prompts to the next when batches ran one
 after another, as much in CPU time as in wall time: the machine's speed, not preemption; in lockstep by about 1%).
-A proposer's clock is shifted past the other engines' steps, so that it times its own target's steps. Drafted and accepted tokens are
+A proposer's clock is shifted past the other engines' steps, so that it times its own target's steps. vLLM's
+spec-decode counters are the process's, summed over engines that then step together: in lockstep only xtokspec's
+proposers' own counts of drafted and accepted ids are shown. Drafted and accepted tokens are
 vLLM's own spec-decode counters; "rows drafting" is the share of the proposer's rows that drafted; the proposer's
 own time per step is split between steps where some row drafted and steps where none did; "identical" counts the
 requests whose token ids equal the target alone's in the same round (`--margins` measures the logit gap where
