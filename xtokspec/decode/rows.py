@@ -22,6 +22,17 @@ position. k = 0, no draft at all, is one of the choices: where extra positions c
 batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
 target alone, within what the model misses, nothing is drafted either.
 
+That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
+Below the server's limit of running requests (vLLM's `max_num_seqs`: a step with fewer has no request waiting,
+which the scheduler would have admitted) a request that ends sooner frees a slot nobody takes: the requests
+running end when the slowest of them does, and a step's fixed cost, most of it at a few requests, is paid until
+then. Drafting for some requests only then ends them apart and leaves steps of one or two requests at the end,
+where the target alone would have run them together (BENCHMARKS.md, "vLLM", batch 8). So there the policy
+chooses the pace of the slowest request instead, `rows * min_i expected_tokens(a_i, K_i)` per second: every
+request drafts or none does, the one accepted least drafts k and each other the fewest ids that keep its pace,
+and drafting is chosen only where it makes every request faster than the target alone would (no request is
+slowed by another's drafts). With one request both rates are the same.
+
 The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
 and fitted as a plane (a line) through the sizes' medians, each weighted by its samples: a server's steps come at
 many sizes with few samples each, noisy one by one, and samples kept per size keep a slope measured however
@@ -174,9 +185,12 @@ class RowDraftLengths:
         """How the chosen `lengths` are drafted this step: the cheaper of `ways` (forward_cost)."""
         return self.forward_cost(sum(x > 0 for x in lengths), max(lengths, default=0), sum(lengths), ways)[1]
 
-    def lengths(self, requests: Sequence[Acceptance], rows: int, ways: tuple[str, ...] = ("batched",)) -> list[int]:
+    def lengths(self, requests: Sequence[Acceptance], rows: int, ways: tuple[str, ...] = ("batched",),
+                full: bool = True) -> list[int]:
         """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
-        may not draft included): 0..cap each, each step's cost with the cheaper of the drafting `ways`."""
+        may not draft included): 0..cap each, each step's cost with the cheaper of the drafting `ways`. `full`:
+        the batch is at the server's limit, so requests may be waiting for a slot (the step's committed tokens per
+        second are chosen); else the slowest request's (this module's docstring)."""
         n = len(requests)
         self.probed, self.chose = False, "none"
         if not self.adaptive or not n:
@@ -190,8 +204,12 @@ class RowDraftLengths:
         base = self.step_cost(rows, 0)
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
-        for k in range(1, self.cap + 1):
-            lengths, rate, _ = self._best_at(k, a, rows, base, best_rate, ways)
+        slowest = not full and rows > 1  # one request: its rate is the step's
+        # NOTE: most calls where drafting does not pay end here, before the choices are costed one by one (a
+        # quiet call's largest part, BENCHMARKS.md, "vLLM")
+        for k in range(1, self.cap + 1) if self._may_pay(a, rows, base, ways) else ():
+            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways) if slowest else \
+                self._best_at(k, a, rows, base, best_rate, ways)
             if rate > best_rate:
                 best, best_rate = lengths, rate
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
@@ -246,6 +264,34 @@ class RowDraftLengths:
             rate = tokens / max(cost, 1e-9)
             last = lengths
         return lengths, rate, cost
+
+    def _may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...]) -> bool:
+        """False where no lengths can beat the target alone, by a bound on every choice's rate: S ids drafted
+        commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
+        the step's slope per proposal and the draft's least seconds per id (one request alone at 1 request,
+        batched ones k forwards over m requests for at most m * k ids, the line's least per request at m = 2 or
+        m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
+        (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)"""
+        if base <= 0.0:
+            return True
+        least = self.draft_alone(1)
+        n = len(a)
+        if n > 1 and "batched" in ways:
+            least = min(least, self.draft(2) / 2, self.draft(n) / n)
+        slope = self.step_cost(rows, 1) - base
+        return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
+
+    def _slowest_at(self, k: int, a: list[float], rows: int, base: float,
+                    ways: tuple[str, ...]) -> tuple[list[int], float, float]:
+        """Lengths at most k where the slowest request sets the pace -> (lengths, `rows` times its tokens per
+        second, their seconds): the request accepted least drafts k, every other the fewest whose expected tokens
+        reach its (more would cost positions and keep no request ahead of it)."""
+        if rows > len(a):  # a request that cannot draft commits one token a step, however the others draft
+            return [0] * len(a), 0.0, base
+        pace = min(expected_tokens(ai, k) for ai in a)
+        lengths = [next(j for j in range(1, k + 1) if expected_tokens(ai, j) >= pace) for ai in a]
+        cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(len(a), k, sum(lengths), ways)[0]
+        return lengths, rows * pace / max(cost, 1e-9), cost
 
     @staticmethod
     def _length(a: float, k: int, rate: float, slope: float) -> int:

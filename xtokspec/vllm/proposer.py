@@ -128,7 +128,8 @@ class TextBridgeProposer:
         # NOTE: built now, not at the first request: one for every request, healing or not (the ids that may
         # restate an incomplete character too)
         self.pair.maps.draft_index  # noqa: B018
-        max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        max_seqs = self.max_seqs = \
+            getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
         self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
@@ -279,7 +280,10 @@ class TextBridgeProposer:
             live += room is not None
             if room:
                 candidates.append((r, entry, room))
-        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways)
+        # NOTE: fewer requests than the scheduler's limit: none is waiting (it would have been admitted), so the
+        # policy keeps the slowest request's pace rather than the step's throughput (decode.rows)
+        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways,
+                                 full=len(rows) >= self.max_seqs)
         k = max(lengths, default=0)
         batch_now = policy.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
         stats.rows += len(candidates)
