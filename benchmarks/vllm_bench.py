@@ -186,23 +186,32 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int, temperature: flo
 
 
 def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: float = 0.0,
-                 first_seed: int = 0) -> dict[str, tuple[float, list[list[int]]]]:
+                 first_seed: int = 0, running: int | None = None) -> dict[str, tuple[float, list[list[int]]]]:
     """One batch of prompts on every engine at once, stepped in turn (`--lockstep`; `engines`: name -> (LLM, its
     xtokspec proposers)): each engine's steps are timed one by one, the engines' order rotating from step to
     step, until every request has ended -> per engine, the seconds its steps took and each request's token ids
     (request n seeded with first_seed + n where sampled). A proposer times its target's step as the interval
     between its calls: the other engines' steps in that interval are moved out of it (its clock's last reading
-    shifted by their seconds), so that it measures what it would running alone."""
+    shifted by their seconds), so that it measures what it would running alone. `running` (`--queued`): at most
+    that many requests at once on each engine, the next prompt added as one ends (a queue, as a server under
+    load keeps its batch full); default all of them at once."""
     from vllm import SamplingParams
 
-    names, asked = list(engines), {}
+    names, asked, admitted = list(engines), {}, {}
+    running = running or len(batch)
+
+    def admit(name: str) -> None:
+        n = admitted[name]
+        admitted[name] += 1
+        engines[name][0].llm_engine.add_request(asked[name][n], batch[n], SamplingParams(
+            temperature=temperature, max_tokens=new_tokens, ignore_eos=False,
+            seed=first_seed + n if temperature else None))
+
     for name in names:
-        engine = engines[name][0].llm_engine
         asked[name] = [f"lockstep-{time.monotonic_ns()}-{n}" for n in range(len(batch))]
-        for n, (request, prompt) in enumerate(zip(asked[name], batch, strict=True)):
-            engine.add_request(request, prompt, SamplingParams(
-                temperature=temperature, max_tokens=new_tokens, ignore_eos=False,
-                seed=first_seed + n if temperature else None))
+        admitted[name] = 0
+        for _ in range(min(running, len(batch))):
+            admit(name)
     seconds, done = dict.fromkeys(names, 0.0), {name: {} for name in names}
     step = 0
     while any(engines[name][0].llm_engine.has_unfinished_requests() for name in names):
@@ -224,6 +233,8 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
             for output in outputs:
                 if output.finished:
                     done[name][output.request_id] = list(output.outputs[0].token_ids)
+                    if admitted[name] < len(batch):
+                        admit(name)
         step += 1
     return {name: (seconds[name], [done[name][request] for request in asked[name]]) for name in names}
 
@@ -295,13 +306,15 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
     fields = ("calls", "rows", "drafting_rows", "quiet_calls", "quiet_s", "draft_s", "copy_s", "bridge_s",
               "other_s", "proposed", "accepted")
     for batch in args.batches:
-        batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        # --queued: every prompt in one queue, `batch` of them running at once
+        batches = [prompts] if args.queued else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         rows = {name: {"times": [], "outputs": [], "drafted": 0, "accepted": 0} for name in names}
         stats0 = {name: dataclasses.replace(ps[-1].stats) for name, (_, ps) in engines.items() if ps}
         for n, one in enumerate(batches):
             if args.lockstep:
                 stepped = run_lockstep({name: engines[name] for name in (names if n % 2 == 0 else names[::-1])},
-                                       one, args.new_tokens, args.temperature, len(rows[names[0]]["outputs"]))
+                                       one, args.new_tokens, args.temperature, len(rows[names[0]]["outputs"]),
+                                       running=batch if args.queued else None)
                 for name, (seconds, out) in stepped.items():
                     rows[name]["times"].append(seconds)
                     rows[name]["outputs"] += out
@@ -318,7 +331,8 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
                 row["accepted"] += after[1] - before[1]
         for name in names:
             row = rows[name]
-            row["tokens"] = [sum(len(o) for o in row["outputs"][i : i + batch]) for i in range(0, len(prompts), batch)]
+            size = len(prompts) if args.queued else batch
+            row["tokens"] = [sum(len(o) for o in row["outputs"][i : i + size]) for i in range(0, len(prompts), size)]
             row["tokens_per_s"] = sum(row["tokens"]) / sum(row["times"])
             if name in stats0:
                 p = engines[name][1][-1].stats
@@ -501,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "round)")
     parser.add_argument("--lockstep", action="store_true", help="as --interleave, but each batch of prompts runs on "
                         "every engine at once, their steps timed one by one in turn (ratios paired step by step)")
+    parser.add_argument("--queued", action="store_true", help="with --lockstep: each batch size is the requests "
+                        "running at once, every prompt queued and the next one started as one ends (a server under "
+                        "load); ratios paired by round")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
     parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
@@ -532,6 +549,8 @@ def main() -> None:
     names = args.systems.split(",") if args.systems else list(chosen["systems"])
     if "alone" not in names:
         raise SystemExit("--systems must include alone (every ratio is against it)")
+    if args.queued and not args.lockstep:
+        raise SystemExit("--queued runs with --lockstep (every engine's queue stepped in turn)")
     import vllm
 
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -541,6 +560,9 @@ def main() -> None:
               f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
               + (f"{args.rounds} rounds, each building every engine at once and stepping all of them in turn over "
+                 "all prompts queued, the batch size the requests running at once, each step timed (lockstep, queued, "
+                 "the order rotating)" if args.queued else
+                 f"{args.rounds} rounds, each building every engine at once and stepping all of them in turn over "
                  "each batch of prompts, each step timed (lockstep, the order rotating)" if args.lockstep else
                  f"{args.rounds} rounds, each building every engine at once and running each batch of prompts on "
                  "all of them in turn (the order alternating)" if args.interleave else

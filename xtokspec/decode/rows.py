@@ -46,6 +46,9 @@ steps between probes; the request that has waited longest; and only while the pr
 last one's cost, stay within 1% of the time served); while drafting pays, one step in
 `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
+Where the model chooses no drafting at a size, the choice is costed again every `RECHECK` steps at that size, not
+at each: without proposals nothing it learns can change it much, and costing it was most of a quiet call's time.
+
 The model predicts; each batch size's steps also measure (`measures.Measured`, as `policy.Fallback` compares
 its arms): drafting as chosen, in seconds per committed token with the proposer's call, against the target
 alone's steps at that size. Where drafting has measured slower, nothing is drafted at that size whatever the model
@@ -80,6 +83,7 @@ class RowDraftLengths:
     # loss (BENCHMARKS.md, "vLLM", the T=0.7 runs)
     MARGIN = 0.05
     PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate) is worth this many proposals
+    RECHECK = 4  # where nothing pays at a size, the choice is costed again after this many steps
 
     def __init__(self, cap: int, adaptive: bool = True):
         self.cap, self.adaptive = cap, adaptive
@@ -106,6 +110,9 @@ class RowDraftLengths:
         self.chose = "none"  # what the last lengths were: "drafting" (chosen, or a probe of the choice), "alone",
         # or neither ("cold", a one-request "probe", "none"), which the arms do not count
         self.last_call = 0.0  # the last call's seconds
+        self.alone_seen = False  # a step without proposals has been measured
+        self.quiet_size: tuple | None = None  # (rows, requests, full) where the model last chose no drafting
+        self.quiet_left = 0  # steps at that size before it is costed again
 
     # -------------------------------------------------------------------------------- what was measured
     def observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
@@ -198,20 +205,29 @@ class RowDraftLengths:
         if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
             return self._drafting([1] * n, requests, "cold")
         rows = max(rows, n)
-        if not self.target.seen(lambda size: size[1] == 0) or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
+        if not self.alone_seen:
+            self.alone_seen = self.target.seen(lambda size: size[1] == 0)
+        if not self.alone_seen or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
+        # NOTE: where the model chose no drafting at this size, nothing it learns from the steps that follow
+        # (no proposal: no acceptance; the target's cost at a size it has measured) can change that choice much:
+        # it is costed again every RECHECK steps, not at each (a quiet call's largest part, BENCHMARKS.md, "vLLM")
+        quiet = (rows, n, full)
+        if self.quiet_size == quiet and self.quiet_left > 0 and not self.probing:
+            self.quiet_left -= 1
+            return self._nothing_pays(n, requests)
         a = self.rates(requests)
         base = self.step_cost(rows, 0)
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
         slowest = not full and rows > 1  # one request: its rate is the step's
-        # NOTE: most calls where drafting does not pay end here, before the choices are costed one by one (a
-        # quiet call's largest part, BENCHMARKS.md, "vLLM")
-        for k in range(1, self.cap + 1) if self._may_pay(a, rows, base, ways) else ():
+        # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
+        for k in range(1, self.cap + 1) if self._may_pay(a, rows, base, ways, slowest) else ():
             lengths, rate, _ = self._slowest_at(k, a, rows, base, ways) if slowest else \
                 self._best_at(k, a, rows, base, best_rate, ways)
             if rate > best_rate:
                 best, best_rate = lengths, rate
+        self.quiet_size, self.quiet_left = (quiet, self.RECHECK - 1) if not any(best) else (None, 0)
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
         # start again, its evidence fading in between
         margin = 0.0 if self.since_draft == 0 else self.MARGIN
@@ -232,6 +248,11 @@ class RowDraftLengths:
         if self.probing:  # the probe was measured and lost
             self.probing = False
             self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, blocked))
+        return self._nothing_pays(n, requests, blocked)
+
+    def _nothing_pays(self, n: int, requests: Sequence[Acceptance], blocked: list[int] | None = None) -> list[int]:
+        """The target alone, or a probe where one is due (`blocked`: the lengths chosen where only the measurement
+        stopped them, which the probe drafts)."""
         # a probe, where the probes so far and one more (costing what the last one did) stay within PROBE_BUDGET
         # of the time served: the lengths chosen where only the measurement stops them, else the request that has
         # waited longest drafts, alone (a probe may have to read its request's text first, which a step's count
@@ -265,13 +286,16 @@ class RowDraftLengths:
             last = lengths
         return lengths, rate, cost
 
-    def _may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...]) -> bool:
+    def _may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...], slowest: bool = False) -> bool:
         """False where no lengths can beat the target alone, by a bound on every choice's rate: S ids drafted
         commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
         the step's slope per proposal and the draft's least seconds per id (one request alone at 1 request,
         batched ones k forwards over m requests for at most m * k ids, the line's least per request at m = 2 or
         m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
-        (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)"""
+        (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)
+        `slowest`: the slowest request's pace, whose lengths are at most k for it and at least 1 for the n - 1
+        others, so S >= k + n - 1 ids buy a pace of at most 1 + k min(a): none pays where base k min(a) <=
+        (k + n - 1)(slope + least), checked at k = cap (the ratio k / (k + n - 1) grows with k)."""
         if base <= 0.0:
             return True
         least = self.draft_alone(1)
@@ -279,6 +303,11 @@ class RowDraftLengths:
         if n > 1 and "batched" in ways:
             least = min(least, self.draft(2) / 2, self.draft(n) / n)
         slope = self.step_cost(rows, 1) - base
+        if slowest:
+            if rows > n:
+                return False  # a request that cannot draft holds the pace at one token a step
+            if min(a) * base * self.cap < (self.cap + n - 1) * (slope + least) * (1 - 1e-9):
+                return False
         return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
 
     def _slowest_at(self, k: int, a: list[float], rows: int, base: float,
@@ -288,9 +317,17 @@ class RowDraftLengths:
         reach its (more would cost positions and keep no request ahead of it)."""
         if rows > len(a):  # a request that cannot draft commits one token a step, however the others draft
             return [0] * len(a), 0.0, base
-        pace = min(expected_tokens(ai, k) for ai in a)
-        lengths = [next(j for j in range(1, k + 1) if expected_tokens(ai, j) >= pace) for ai in a]
-        cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(len(a), k, sum(lengths), ways)[0]
+        pace = expected_tokens(min(a), k)
+        lengths = []
+        for ai in a:  # NOTE: expected tokens summed position by position: a dozen calls fewer per request
+            j, worth, tokens = 1, ai, 1.0 + ai
+            while j < k and tokens < pace:
+                worth *= ai
+                tokens += worth
+                j += 1
+            lengths.append(j)
+        ids = sum(lengths)
+        cost = self.step_cost(rows, ids) + self.forward_cost(len(a), k, ids, ways)[0]
         return lengths, rows * pace / max(cost, 1e-9), cost
 
     @staticmethod
@@ -322,6 +359,7 @@ class RowDraftLengths:
 
     def _drafting(self, lengths: list[int], requests: Sequence[Acceptance], chose: str = "drafting") -> list[int]:
         self.chose = chose
+        self.quiet_size = None  # a proposal: what its answer teaches may change the choice
         self.since_draft = 0
         self.since_alone += 1
         for length, request in zip(lengths, requests, strict=True):

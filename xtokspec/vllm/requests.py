@@ -59,33 +59,29 @@ class RequestTable:
         """For each row (its ids, or None for a row that wants no proposal): (its entry, how many of the row's ids
         the entry had seen: 0 for a new entry) -> the entry's `ids` become the row's. Entries that no row matched
         age by one call; those idle more than `idle_calls`, then the longest idle past `max_states`, are dropped."""
+        index = self.index
         pairs = []  # (-matched length, entry number, row, entry)
         tails = {}  # row -> (its last ids as a list, where they start)
-        index = self.index
+        left = {}  # row -> the longest length not yet looked up (a row stops at its longest match at first)
         for r, row in enumerate(rows):
             if row is None:
                 continue
             length = len(row)
             low = max(0, length - self.max_new - 1)
             offset = max(0, low - 3)
-            tail = row[offset:length].tolist()  # the ids all its keys are made of, out of numpy once
-            tails[r] = tail, offset
-            for n in range(length, low, -1):
-                found = index.get(key(tail, n, offset))
-                if not found:
-                    continue
-                prefix = row[:n].tobytes()  # NOTE: one C comparison per entry found (numpy's are slower calls)
-                for e in found:
-                    self.comparisons += 1
-                    if e.dtype == row.dtype and e.raw == prefix:
-                        pairs.append((-n, e.number, r, e))
-        pairs.sort(key=lambda p: p[:3])
-        out: list[tuple[Entry, int] | None] = [None] * len(rows)
-        taken: set[int] = set()
-        for neg_n, _, r, e in pairs:
-            if out[r] is None and id(e) not in taken:
-                out[r] = (e, -neg_n)
-                taken.add(id(e))
+            tails[r] = row[offset:length].tolist(), offset  # the ids all its keys are made of, out of numpy once
+            left[r] = self._look(r, row, tails[r], length, low, pairs)
+        # NOTE: a row's shorter matches matter only where its longest ones went to other rows (identical prompts):
+        # those rows look further and the longest-first choice runs again, as if every match had been seen
+        while True:
+            out = self._choose(pairs, len(rows))
+            short = [r for r, n in left.items() if out[r] is None and n is not None]
+            if not short:
+                break
+            for r in short:
+                row = rows[r]
+                left[r] = self._look(r, row, tails[r], left[r], max(0, len(row) - self.max_new - 1), pairs)
+        taken = {id(hit[0]) for hit in out if hit is not None}
         for e in self.entries:
             e.idle = 0 if id(e) in taken else e.idle + 1
         for r, row in enumerate(rows):
@@ -108,6 +104,38 @@ class RequestTable:
             else:
                 bucket.append(e)
         self._drop()
+        return out
+
+    def _look(self, r: int, row: np.ndarray, tail: tuple[list, int], high: int, low: int, pairs: list) -> int | None:
+        """Add row r's matches (entries that saw its first n ids) at the longest n in high..low+1 that has any ->
+        the next n to look at after it (None: none left)."""
+        ids, offset = tail
+        index = self.index
+        for n in range(high, low, -1):
+            found = index.get((n, *ids[max(0, n - 4) - offset : n - offset]))  # key(), inlined: 5 a row a call
+            if not found:
+                continue
+            prefix = row[:n].tobytes()  # NOTE: one C comparison per entry found (numpy's are slower calls)
+            matched = False
+            for e in found:
+                self.comparisons += 1
+                if e.dtype == row.dtype and e.raw == prefix:
+                    pairs.append((-n, e.number, r, e))
+                    matched = True
+            if matched:
+                return n - 1 if n - 1 > low else None
+        return None
+
+    @staticmethod
+    def _choose(pairs: list, rows: int) -> list[tuple[Entry, int] | None]:
+        """Longest matches first, then older entries, then lower rows: each row and each entry taken once."""
+        pairs.sort(key=lambda p: p[:3])
+        out: list[tuple[Entry, int] | None] = [None] * rows
+        taken: set[int] = set()
+        for neg_n, _, r, e in pairs:
+            if out[r] is None and id(e) not in taken:
+                out[r] = (e, -neg_n)
+                taken.add(id(e))
         return out
 
     def _unindex(self, entry: Entry) -> None:
