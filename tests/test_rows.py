@@ -186,7 +186,7 @@ def test_not_adaptive_drafts_the_cap_for_every_request():
 
 def test_the_cost_of_probing_is_bounded_where_drafting_never_pays():
     """Where drafting loses at every K, probes (one request drafting for a step) come at most once in 16 steps
-    and cost at most ~1% of the time: the simulated loss against the target alone stays within 3% over 2,000
+    and cost at most ~PROBE_BUDGET of the time: the simulated loss against the target alone stays within 3% over 2,000
     steps, the cold start included."""
     policy = RowDraftLengths(3)
     result = Server(*COSTLY_POSITIONS).run(policy, 2000)
@@ -292,16 +292,17 @@ def test_measured_arms_compare_seconds_per_committed_token_at_one_size():
 
 def test_a_probe_waits_until_the_budget_holds_it_at_the_last_probes_cost():
     """Where nothing pays, a probe comes only while the probes so far and one more, costing what the last one did,
-    stay within PROBE_BUDGET (1%) of the time served: a second-long probe (a slow draft reading its request's text
-    first) after 100 s served with 0.5 s spent must wait; one of 0.4 s may come."""
+    stay within PROBE_BUDGET of the time served: after 100 s served with half the budget spent, a probe that cost
+    60% of the budget (a slow draft reading its request's text first) must wait; one of 40% may come."""
     policy = RowDraftLengths(3)
     Server(*POOR_DRAFT).run(policy, 200)
     requests = [Acceptance(successes=0.0, failures=20.0)]
+    budget = RowDraftLengths.PROBE_BUDGET * 100.0
     policy.alone_run, policy.since_draft, policy.probing = 2, 10, False
-    policy.elapsed, policy.probe_spent = 100.0, 0.5
-    policy.last_probe = 0.6
+    policy.elapsed, policy.probe_spent = 100.0, 0.5 * budget
+    policy.last_probe = 0.6 * budget
     assert policy.lengths(requests, 1) == [0] and not policy.probed
-    policy.last_probe = 0.4
+    policy.last_probe = 0.4 * budget
     assert policy.lengths(requests, 1) == [3] and policy.probed
 
 

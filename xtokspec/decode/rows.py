@@ -41,9 +41,9 @@ taken as 0 (optimism: drafting is tried, then measured). Acceptance is learned p
 what vLLM accepted of its last proposal; a new request starts from the rate pooled over the requests before it,
 and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
 tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
-schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 1% of the
-steps between probes; the request that has waited longest; and only while the probes so far and one more, at the
-last one's cost, stay within 1% of the time served); while drafting pays, one step in
+schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 0.5% of
+the steps between probes; the request that has waited longest; and only while the probes so far and one more, at
+the last one's cost, stay within 0.5% of the time served); while drafting pays, one step in
 `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
 Where the model chooses no drafting at a size, the choice is costed again every `RECHECK` steps at that size, not
@@ -74,9 +74,10 @@ class RowDraftLengths:
     """Each step: how many tokens each running request drafts (this module's docstring). One per proposer: the
     costs are the models' and the machine's, the pooled acceptance the pair's on the traffic served."""
 
-    # a server runs for thousands of steps: probes may come more rarely than in one generation, at most 1% of
-    # the steps' time between them
-    PROBE_BUDGET = 0.01
+    # a server runs for thousands of steps: probes may come more rarely than in one generation, at most 0.5% of
+    # the time served (a probe of a new request first pays for its draft reading the request's text: at T=0.7 on
+    # the fixtures, where drafting rarely pays, the draft's forwards took 1.5% of the time at a budget of 1%)
+    PROBE_BUDGET = 0.005
     POOL_DECAY = 0.98  # per observed proposal: the pooled rate follows the traffic over ~50 proposals
     # drafting must be predicted to beat the target alone by this share before it starts: the model misses costs
     # of about that size (a proposal's bookkeeping in the calls after it), so a smaller predicted gain may be a
