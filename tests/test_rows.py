@@ -380,8 +380,8 @@ def test_the_bound_that_skips_costing_the_choices_never_skips_a_choice_that_pays
         d0, d1 = rng.uniform(0, 0.01), rng.uniform(0, 0.003)
         rates = [rng.uniform(0.0, 0.9) for _ in range(rows)]
         policy = RowDraftLengths(3)
-        Server(rates, lambda b, p: fixed + per_req * b + per_prop * p, lambda m: d0 + d1 * m,
-               seed=trial).run(policy, 150)
+        step = lambda b, p, c=(fixed, per_req, per_prop): c[0] + c[1] * b + c[2] * p  # noqa: E731
+        Server(rates, step, lambda m, c=(d0, d1): c[0] + c[1] * m, seed=trial).run(policy, 150)
         for _ in range(20):
             n = rng.randint(1, rows)
             a = [rng.uniform(0.0, 0.95) for _ in range(n)]
