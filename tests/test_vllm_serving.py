@@ -24,7 +24,7 @@ class Scripted(RowDraftLengths):
         super().__init__(cap)
         self.pattern, self.calls, self.decisions = pattern, 0, []
 
-    def lengths(self, requests, rows, batched=True):
+    def lengths(self, requests, rows, ways=("batched",), full=True):
         self.calls += 1
         out = [self.pattern(self.calls, i) for i in range(len(requests))]
         self.decisions.append(out)
