@@ -75,8 +75,8 @@ class RowDraftLengths:
     costs are the models' and the machine's, the pooled acceptance the pair's on the traffic served."""
 
     # a server runs for thousands of steps: probes may come more rarely than in one generation, at most 0.5% of
-    # the time served (a probe of a new request first pays for its draft reading the request's text: at T=0.7 on
-    # the fixtures, where drafting rarely pays, the draft's forwards took 1.5% of the time at a budget of 1%)
+    # the time served (a probe of a new request first pays for its draft reading the request's text, so where
+    # drafting rarely pays, probes are most of what the proposer costs: BENCHMARKS.md, "vLLM", T=0.7)
     PROBE_BUDGET = 0.005
     POOL_DECAY = 0.98  # per observed proposal: the pooled rate follows the traffic over ~50 proposals
     # drafting must be predicted to beat the target alone by this share before it starts: the model misses costs

@@ -70,7 +70,7 @@ class RequestTable:
             low = max(0, length - self.max_new - 1)
             offset = max(0, low - 3)
             tails[r] = row[offset:length].tolist(), offset  # the ids all its keys are made of, out of numpy once
-            left[r] = self._look(r, row, tails[r], length, low, pairs)
+            left[r] = self._look(r, row, tails[r], length, pairs)
         # NOTE: a row's shorter matches matter only where its longest ones went to other rows (identical prompts):
         # those rows look further and the longest-first choice runs again, as if every match had been seen
         while True:
@@ -79,8 +79,7 @@ class RequestTable:
             if not short:
                 break
             for r in short:
-                row = rows[r]
-                left[r] = self._look(r, row, tails[r], left[r], max(0, len(row) - self.max_new - 1), pairs)
+                left[r] = self._look(r, rows[r], tails[r], left[r], pairs)
         taken = {id(hit[0]) for hit in out if hit is not None}
         for e in self.entries:
             e.idle = 0 if id(e) in taken else e.idle + 1
@@ -106,13 +105,15 @@ class RequestTable:
         self._drop()
         return out
 
-    def _look(self, r: int, row: np.ndarray, tail: tuple[list, int], high: int, low: int, pairs: list) -> int | None:
-        """Add row r's matches (entries that saw its first n ids) at the longest n in high..low+1 that has any ->
-        the next n to look at after it (None: none left)."""
+    def _look(self, r: int, row: np.ndarray, tail: tuple[list, int], high: int, pairs: list) -> int | None:
+        """Add row r's matches (entries that saw its first n ids) at the longest n from `high` down to the
+        shortest a row can have grown from (`max_new`) that has any -> the next n to look at after it (None: none
+        left)."""
         ids, offset = tail
         index = self.index
+        low = max(0, len(row) - self.max_new - 1)
         for n in range(high, low, -1):
-            found = index.get((n, *ids[max(0, n - 4) - offset : n - offset]))  # key(), inlined: 5 a row a call
+            found = index.get(key(ids, n, offset))
             if not found:
                 continue
             prefix = row[:n].tobytes()  # NOTE: one C comparison per entry found (numpy's are slower calls)
