@@ -239,18 +239,25 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
     return {name: (seconds[name], [done[name][request] for request in asked[name]]) for name in names}
 
 
-def measure(name: str, extra: dict, prompts: list[str], warm: list[str], args, chosen: dict, check: bool) -> dict:
-    """One engine build of system `name`: the cold start (the `warm` prompts, one batch, timed), then each batch
-    size over `prompts`, every `generate` call timed."""
+def build_engine(chosen: dict, name: str, max_num_seqs: int, first: str, log_stats: bool = True) -> tuple:
+    """An engine of system `name` of the preset `chosen`, its first forwards run (4 tokens of `first`: the
+    process's first forwards, for every system alike) -> (LLM, the xtokspec proposers it built)."""
     from vllm import LLM
 
     from xtokspec.vllm.proposer import TextBridgeProposer
 
     known = [weakref.ref(p) for p in TextBridgeProposer.instances]  # an earlier system's, not yet collected
     llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
-              max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **extra)
+              max_num_seqs=max_num_seqs, disable_log_stats=not log_stats, seed=0, **chosen["systems"][name])
     proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
-    run_batches(llm, [prompts[:1]], 4)  # the process's first forwards, for every system alike
+    run_batches(llm, [[first]], 4)
+    return llm, proposers
+
+
+def measure(name: str, prompts: list[str], warm: list[str], args, chosen: dict, check: bool) -> dict:
+    """One engine build of system `name`: the cold start (the `warm` prompts, one batch, timed), then each batch
+    size over `prompts`, every `generate` call timed."""
+    llm, proposers = build_engine(chosen, name, max(args.batches), prompts[0])
     seconds, outputs = run_batches(llm, [warm], args.new_tokens, args.temperature, 10_000)  # nothing learned yet
     result = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
     for batch in args.batches:
@@ -288,18 +295,8 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
     """One build of every system's engine, all alive at once (`--interleave`): each cold start in turn, then each
     batch of prompts on every engine before the next batch (the systems' order alternating from batch to batch), so
     that the machine's drift between builds and over time falls on every system alike, batch by batch."""
-    from vllm import LLM
-
-    from xtokspec.vllm.proposer import TextBridgeProposer
-
-    engines, results = {}, {}
-    for name in names:
-        known = [weakref.ref(p) for p in TextBridgeProposer.instances]
-        llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
-                  max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **chosen["systems"][name])
-        proposers = [p for p in TextBridgeProposer.instances if not any(ref() is p for ref in known)]
-        engines[name] = llm, proposers
-        run_batches(llm, [prompts[:1]], 4)
+    engines = {name: build_engine(chosen, name, max(args.batches), prompts[0]) for name in names}
+    results = {}
     for name in names:
         seconds, outputs = run_batches(engines[name][0], [warm], args.new_tokens, args.temperature, 10_000)
         results[name] = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
@@ -600,8 +597,7 @@ def main() -> None:
             continue
         for name in order:
             print(f"round {n + 1}/{args.rounds}: {name}", flush=True)
-            runs[name].append(measure(name, chosen["systems"][name], prompts, warm, args, chosen,
-                                      check=name == "alone" and n == 0))
+            runs[name].append(measure(name, prompts, warm, args, chosen, check=name == "alone" and n == 0))
             save()
     print(header)
     print(table(runs, args.batches))

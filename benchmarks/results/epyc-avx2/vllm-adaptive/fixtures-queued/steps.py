@@ -25,8 +25,6 @@ import vllm_bench as vb  # noqa: E402
 for key, value in vb.ENV.items():
     os.environ.setdefault(key, value)
 
-from vllm import LLM  # noqa: E402
-
 from xtokspec.vllm.proposer import TextBridgeProposer  # noqa: E402
 
 
@@ -54,12 +52,7 @@ def main() -> None:
     chosen = vb.preset("fixtures", 3)
     both = vb.load_prompts("fixtures", 40)
     prompts, warm = both[:32], both[32:]
-    engines = {}
-    for name in ("alone", "xtokspec"):
-        llm = LLM(model=chosen["target"], dtype=chosen["dtype"], enforce_eager=True, max_model_len=512,
-                  max_num_seqs=8, disable_log_stats=True, seed=0, **chosen["systems"][name])
-        engines[name] = (llm, list(TextBridgeProposer.instances) if name == "xtokspec" else [])
-        vb.run_batches(llm, [prompts[:1]], 4)
+    engines = {name: vb.build_engine(chosen, name, 8, prompts[0], log_stats=False) for name in ("alone", "xtokspec")}
     for name in engines:
         vb.run_batches(engines[name][0], [warm], 64)
     vb.run_lockstep(engines, prompts, 64, running=4)
