@@ -78,6 +78,27 @@ def test_linear_costs_running_sums_equal_the_sums_of_each_sizes_median_and_count
     np.testing.assert_allclose(costs.moment, moment, rtol=1e-9)
 
 
+def serve_step(policy, requests, rates, step, draft, rng, last_step, fixed=None, full=True) -> tuple:
+    """One simulated step over `requests` (each accepting with its chance in `rates`), the policy told what a
+    proposer would measure (the step before this call timed at it: `last_step`) -> (each request's accepted
+    proposals, the step's seconds, the draft's, the requests that drafted)."""
+    lengths = [fixed] * len(requests) if fixed is not None else policy.lengths(requests, len(requests), full=full)
+    k, m = max(lengths), sum(x > 0 for x in lengths)
+    draft_s = k * draft(m) if m else 0.0
+    step_s = step(len(requests), sum(lengths))
+    policy.observe_call(len(requests), m, k, draft_s + 1e-4)
+    policy.observe_time(len(requests), last_step, draft_s + 1e-4)
+    accepted = []
+    for rate, request, length in zip(rates, requests, lengths, strict=True):
+        n = 0
+        while n < length and rng.random() < rate:
+            n += 1
+        policy.observe_proposal(request, [1] * length, [1] * n + [3 if n == length else 2])
+        accepted.append(n)
+    policy.observe_step(len(requests), sum(lengths), step_s, sum(accepted) + len(requests))
+    return accepted, step_s, draft_s, m
+
+
 class Server:
     """A simulated vLLM step: `step(B, p)` seconds for B requests verifying p proposals; `draft(m)` seconds per
     draft forward over m requests; request i accepts each proposal with chance `rates[i]`, up to its first
@@ -92,23 +113,10 @@ class Server:
         tokens = seconds = drafting = 0.0
         last_step = None  # as a proposer sees it: the step before each call, timed at the call
         for _ in range(steps):
-            lengths = [fixed] * len(requests) if fixed is not None else policy.lengths(requests, len(requests))
-            k, m = max(lengths), sum(x > 0 for x in lengths)
-            draft_s = k * self.draft(m) if m else 0.0
-            step_s = self.step(len(requests), sum(lengths))
-            policy.observe_call(len(requests), m, k, draft_s + 1e-4)
-            policy.observe_time(len(requests), last_step, draft_s + 1e-4)
-            last_step = step_s
-            committed = 0
-            for rate, request, length in zip(self.rates, requests, lengths, strict=True):
-                accepted = 0
-                while accepted < length and self.rng.random() < rate:
-                    accepted += 1
-                policy.observe_proposal(request, [1] * length, [1] * accepted + [3 if accepted == length else 2])
-                committed += accepted + 1
-            policy.observe_step(len(requests), sum(lengths), step_s, committed)
-            tokens += committed
-            seconds += step_s + draft_s + 1e-4
+            accepted, last_step, draft_s, m = serve_step(policy, requests, self.rates, self.step, self.draft,
+                                                         self.rng, last_step, fixed)
+            tokens += sum(accepted) + len(requests)
+            seconds += last_step + draft_s + 1e-4
             drafting += m
         return {"rate": tokens / seconds, "drafting": drafting / (steps * len(requests))}
 
@@ -316,23 +324,12 @@ def static_batches(rates, step, draft, full: bool, batches=6, need=64, seed=0, f
         requests, left, last_step = [Acceptance() for _ in rates], [need] * len(rates), None
         while any(left):
             alive = [i for i, n in enumerate(left) if n]
-            lengths = [fixed] * len(alive) if fixed is not None else \
-                policy.lengths([requests[i] for i in alive], len(alive), full=full)
-            k, m = max(lengths), sum(x > 0 for x in lengths)
-            draft_s = k * draft(m) if m else 0.0
-            step_s = step(len(alive), sum(lengths))
-            policy.observe_call(len(alive), m, k, draft_s + 1e-4)
-            policy.observe_time(len(alive), last_step, draft_s + 1e-4)
-            last_step, committed = step_s, 0
-            for i, length in zip(alive, lengths, strict=True):
-                accepted = 0
-                while accepted < length and rng.random() < rates[i]:
-                    accepted += 1
-                policy.observe_proposal(requests[i], [1] * length, [1] * accepted + [3 if accepted == length else 2])
-                left[i] -= min(accepted + 1, left[i])
-                committed += accepted + 1
-            policy.observe_step(len(alive), sum(lengths), step_s, committed)
-            seconds += step_s + draft_s + 1e-4
+            accepted, last_step, draft_s, _ = serve_step(policy, [requests[i] for i in alive],
+                                                         [rates[i] for i in alive], step, draft, rng, last_step,
+                                                         fixed, full)
+            for i, n in zip(alive, accepted, strict=True):
+                left[i] -= min(n + 1, left[i])
+            seconds += last_step + draft_s + 1e-4
     return seconds
 
 
