@@ -128,8 +128,7 @@ class TextBridgeProposer:
         # NOTE: built now, not at the first request: one for every request, healing or not (the ids that may
         # restate an incomplete character too)
         self.pair.maps.draft_index  # noqa: B018
-        max_seqs = self.max_seqs = \
-            getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        self.max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
         self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
@@ -137,7 +136,7 @@ class TextBridgeProposer:
         self.batched = settings.batched and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
         # a row gains at most K + 1 ids a step (accepted proposals and one more)
-        self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * max_seqs,
+        self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * self.max_seqs,
                                   max_new=self.k + 1,
                                   on_drop=self._release)
         # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
@@ -151,7 +150,7 @@ class TextBridgeProposer:
         # positions from the start).
         graphs = settings.graphs
         if graphs is None:
-            needed = max_seqs * self.static_len * position_bytes(self.draft_model)
+            needed = self.max_seqs * self.static_len * position_bytes(self.draft_model)
             graphs = (self.draft_device.type == "cuda" and not sliding and settings.cache != "dynamic"
                       and needed <= settings.memory_mib * 2**20)
         self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if graphs else None
