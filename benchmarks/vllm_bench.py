@@ -517,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "load); ratios paired by round")
     parser.add_argument("--check-alone", metavar="MODEL", help="only run MODEL alone in vLLM on 2 prompts and "
                         "check its output against transformers (`sanity`)")
-    parser.add_argument("--dtype", default="bfloat16", help="--check-alone's dtype")
+    parser.add_argument("--dtype", help="the target's and the draft's dtype (default: the preset's, float32 for the "
+                        "fixtures and bfloat16 for the real pair; bfloat16 for --check-alone)")
     parser.add_argument("--margins", type=Path, metavar="RESULTS", help="only measure where outputs in a "
                         "results.json differ from the target alone's (`divergences`; transformers, no vLLM)")
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
@@ -538,9 +539,10 @@ def main() -> None:
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     if args.check_alone:
-        check_alone(args.check_alone, args.dtype, args.new_tokens)
+        check_alone(args.check_alone, args.dtype or "bfloat16", args.new_tokens)
         return
     chosen = preset(args.preset, args.k)
+    chosen["dtype"] = args.dtype or chosen["dtype"]
     both = load_prompts(args.preset, args.prompts + max(args.batches))
     prompts, warm = both[: args.prompts], both[args.prompts :]
     names = args.systems.split(",") if args.systems else list(chosen["systems"])
@@ -553,7 +555,7 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     header = (f"vLLM {vllm.__version__} ({cpu_name()}, {os.cpu_count()} vCPUs, {threads} thread(s) bound to "
               f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), "
-              f"{'fixture pair, float32' if args.preset == 'fixtures' else 'real pair, bfloat16'}, "
+              f"{'fixture' if args.preset == 'fixtures' else 'real'} pair, {chosen['dtype']}, "
               f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
               + (f"{args.rounds} rounds, each building every engine at once and stepping all of them in turn over "

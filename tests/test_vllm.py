@@ -219,6 +219,8 @@ def test_a_chat_requests_draft_reads_the_template_as_the_chat_entry_point_render
     ids = target(text, add_special_tokens=False)["input_ids"]
     assert ids.count(target.bos_token_id) == 2
     request = RequestDraft(proposer, ids)
+    assert request.state is None  # built when the request first drafts
+    request.build()
     assert request.state.ids == proposer.draft.encode_prompt(draft_text)
     assert "<s>" not in proposer.draft_tokenizer.decode(request.state.ids)
 

@@ -101,6 +101,36 @@ def test_requests_that_skip_steps_propose_nothing_and_catch_up_when_they_draft_a
     assert len(same) >= 5 and sum(same) >= 0.6 * len(same)  # 5 of 7 measured; 1 of 8 without the catch-up
 
 
+def test_a_request_builds_its_draft_when_it_first_drafts(ja_target, heldout_prompts):
+    """A request's draft (its text encoded for the draft, its cache) is built at its first proposal, from all its
+    ids so far: one that never drafts costs no draft state, one that starts late drafts from the right place."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:3]]
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+
+    class ByRequest(RowDraftLengths):
+        """Request 0 drafts from the start, request 1 from its fourth step on, request 2 never (requests known by
+        their acceptance records, in prompt order at the first call: rows shift as requests end)."""
+
+        calls, order = 0, {}
+
+        def lengths(self, requests, rows, ways=("batched",), full=True):
+            self.calls += 1
+            if self.calls == 1:
+                self.order = {id(r): n for n, r in enumerate(requests)}
+            which = [self.order[id(r)] for r in requests]
+            return [3 if n == 0 or (n == 1 and self.calls > 3) else 0 for n in which]
+
+    proposer.policy = ByRequest(3)
+    engine = Counted(model, proposer, prompts, 24)
+    out = engine.run()
+    for n, prompt in enumerate(prompts):
+        assert out[n] == greedy(model, prompt, 24), n
+    assert proposer.stats.new_states == 2  # requests 0 and 1
+    assert engine.per_request[2][0] == 0 and engine.per_request[1][0] > 0
+    assert engine.per_request[1][1] > 0  # built late from its whole text, its drafts are accepted
+
+
 @pytest.mark.slow
 def test_the_adaptive_proposer_leaves_the_output_the_targets(ja_target, heldout_prompts):
     """The default policy, learning from the simulated engine's steps (real seconds): whatever it chooses, every
@@ -190,7 +220,8 @@ def test_the_draft_caches_stay_within_their_bound_over_a_thousand_requests(heldo
         calls += 1
         counted = proposer.cache_bytes()
         held = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in
-                       e.payload.state.kv.layer_tensors()) for e in proposer.table.entries if e.payload is not None)
+                       e.payload.state.kv.layer_tensors()) for e in proposer.table.entries
+                   if e.payload is not None and e.payload.state is not None)
         assert held <= counted <= proposer.memory.bound, (held, counted)
         peak = max(peak, counted)
         survivors = []

@@ -22,8 +22,18 @@ class RequestDraft:
         self.drafted: list[int] = []  # the last proposal's draft ids, in the draft's cache until the next commit
         self.draft_steps = 0  # the last proposal's draft forwards
         self.proposed: list[int] = []  # the last proposal's target ids, until vLLM's answer to it is seen
-        self.pending: list[int] = []  # committed target ids not yet given to the draft (it did not draft since)
+        # committed target ids not yet given to the draft (it did not draft since); before the request first
+        # drafts, all of its ids: its draft is built then, from its whole text (`build`)
+        self.pending: list[int] = list(target_ids)
         self.acceptance = Acceptance()  # what vLLM accepted of this request's proposals (decode.rows)
+        self.state = self.mapper = None  # the draft's ids and cache and its mapper, once built
+        self.limit = 0  # ids the draft's cache holds, once built
+
+    def build(self) -> None:
+        """The draft's state and mapper, from every id the request has so far: a request costs nothing before it
+        first drafts (at a large batch most never do: BENCHMARKS.md, "vLLM")."""
+        owner, target_ids = self.owner, self.pending
+        self.pending = []
         pair = owner.pair
         if pair.same_vocab:
             prompt, tail = list(target_ids), []
@@ -31,13 +41,14 @@ class RequestDraft:
             split = complete_prefix(pair.target, target_ids)
             text, special = owner.view.prompt(target_ids[:split])  # a template's special tokens: the draft's or none
             prompt = pair.draft.encode_prompt(text, special) if text else []
-            tail = list(target_ids[split:])  # the prompt ends inside a character: its first bytes wait
+            tail = list(target_ids[split:])  # the text ends inside a character: its first bytes wait
         static = owner.draft_backend == "static"  # a dropped request's buffers (and their graphs), else new ones
         self.state, self.mapper = assemble.request_draft(
             pair, owner.kept, owner.draft_model, prompt, tail, backend=owner.draft_backend,
             capacity=owner.static_len if static else owner.draft_limit, step=owner.step, lookbehind=LOOKBEHIND,
             healing=owner.healing, target_vocab=owner.target_vocab)
         self.limit = min(owner.draft_limit, self.state.capacity)  # ids the draft's cache holds
+        owner.stats.new_states += 1
 
     def advance(self, new_ids: list[int], policy=None) -> int:
         """The row's new target ids: `policy` (decode.rows.RowDraftLengths) learns what vLLM did with the last
@@ -56,8 +67,10 @@ class RequestDraft:
         return accepted
 
     def catch_up(self) -> None:
-        """Commit the ids that arrived while the request was not drafting."""
-        if self.pending:
+        """Commit the ids that arrived while the request was not drafting (the first time: build its draft)."""
+        if self.state is None:
+            self.build()
+        elif self.pending:
             self.mapper.commit(self.state, [], self.pending)
             self.pending = []
 

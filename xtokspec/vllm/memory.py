@@ -19,6 +19,8 @@ class DraftMemory:
     def state_bytes(self, request) -> int:
         """The memory of a request's (`drafts.RequestDraft`) draft cache."""
         state = request.state
+        if state is None:  # not built: the request has not drafted yet
+            return 0
         positions = state.kv.capacity if state.backend == "static" else len(state.ids)
         return positions * self.position_bytes
 

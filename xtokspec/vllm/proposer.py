@@ -30,7 +30,8 @@ draft as its own where its tokenizer has them by text and are left out of its vi
 Finding a request's state again (`RequestTable`): vLLM's rows move (requests finish, are aborted, preempted and
 resumed), so a row is matched by its token ids, never by its position. A state remembers the ids it has seen;
 a row matches the states whose ids are a prefix of the row's ids, and each row gets a different state, the
-longest matches first. A row that matches no free state gets a new one (its draft prefills the row's text).
+longest matches first. A row that matches no free state gets a new one; its draft is built (the row's text
+encoded for the draft, then prefilled) at its first proposal, so a request that never drafts costs none.
 Identical rows (the same prompt sent twice, `n > 1`) get one state each; while the rows are equal so are the
 states, so which row takes which does not matter, and once they diverge each state matches only its own row.
 The output never depends on this matching: a state is always brought to the row's own ids before it drafts, so
@@ -206,7 +207,8 @@ class TextBridgeProposer:
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
-        self.kept.release(request.state, keep=self.table.max_states)
+        if request.state is not None:  # a request that never drafted has no cache
+            self.kept.release(request.state, keep=self.table.max_states)
 
     # the pair's views, by the names tests and benchmarks read
     same_vocab = property(lambda self: self.pair.same_vocab)
@@ -390,8 +392,7 @@ class TextBridgeProposer:
         """Bring a row's request to its ids (a new request: a new state) -> None when the request has ended
         (its last id is the target's EOS), else how many ids it may be proposed (0: none)."""
         if entry.payload is None:
-            entry.payload = RequestDraft(self, row.tolist())
-            self.stats.new_states += 1
+            entry.payload = RequestDraft(self, row.tolist())  # its draft is built when it first drafts
         elif seen < len(row) or entry.payload.drafted:
             # NOTE: only the new ids leave numpy (rows are long)
             self.stats.accepted += entry.payload.advance(row[seen:].tolist(), self.policy)
@@ -404,8 +405,8 @@ class TextBridgeProposer:
         draft is still reading a long text, one chunk per step; token healing's candidate in the batch; seconds of
         a prefill it ran)."""
         request = entry.payload
-        state = request.state
         ready = request.prepare(k, room)
+        state = request.state
         prefill_s = 0.0
         if len(state.ids) - state.cached > self.prefill_chunk + 1:
             # a new request's prompt, or much text committed while it did not draft: one chunk per step, so that
