@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from copy import deepcopy
 
 import numpy as np
 import pytest
@@ -414,3 +415,48 @@ def test_where_nothing_pays_the_choice_is_costed_again_every_few_steps_not_at_ea
     policy.lengths(poor, 1)  # a choice of none, costed or not
     waited = next(step for step in range(1, 10) if policy.lengths(good, 1)[0])
     assert waited <= RowDraftLengths.RECHECK, waited
+
+
+def quiet_state(policy: RowDraftLengths, requests) -> tuple:
+    """What a step of `lengths` changes in a policy where it drafts nothing."""
+    return (policy.since_draft, policy.since_alone, policy.quiet_left, policy.chose, policy.probes, policy.probing,
+            [(r.successes, r.failures, r.idle) for r in requests])
+
+
+def test_a_step_skipped_where_quiet_ahead_holds_is_the_step_lengths_would_have_chosen():
+    """The proposer leaves a step's rows unmatched where `quiet_ahead` holds and tells the policy `skip`: at each
+    such step of a server where drafting rarely pays (probes on their schedule and budget), `lengths` would have
+    drafted nothing and probed nothing, and leaves the policy and its requests as `skip` does. Most quiet steps
+    are skipped; the probes still come. Control: a `quiet_ahead` blind to a probe's turn skips a probe."""
+
+    def serve(policy, blind=False, steps=2000):
+        rng = random.Random(1)
+        rates, step, draft = POOR_DRAFT[0] * 3, lambda b, p: 0.02 * b + 0.001 * p, POOR_DRAFT[2]
+        requests = [Acceptance() for _ in rates]
+        skipped = swallowed = 0
+        last_step = None
+        for _ in range(steps):
+            ahead = policy.quiet_ahead()
+            if blind:
+                ahead = ahead or (policy.adaptive and policy.chose == "alone" and policy.quiet_size is not None
+                                  and policy.quiet_left > 0 and not policy.probing)
+            if ahead:
+                chosen, copy = deepcopy((policy, requests))
+                lengths = chosen.lengths(copy, len(copy))
+                swallowed += any(lengths) or chosen.probed
+                policy.skip(requests)
+                if not blind:
+                    assert quiet_state(policy, requests) == quiet_state(chosen, copy)
+                skipped += 1
+                policy.observe_time(len(requests), last_step, 1e-5)  # as the proposer's skip: the step before
+                last_step = step(len(requests), 0)
+                policy.observe_step(len(requests), 0, last_step, len(requests))
+                continue
+            _, last_step, _, _ = serve_step(policy, requests, rates, step, draft, rng, last_step)
+        return skipped, swallowed
+
+    policy = RowDraftLengths(3)
+    skipped, swallowed = serve(policy)
+    assert swallowed == 0
+    assert skipped >= 0.5 * 2000 and policy.probes >= 3, (skipped, policy.probes)
+    assert serve(RowDraftLengths(3), blind=True)[1] > 0  # the control skips steps that would have probed

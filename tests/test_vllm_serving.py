@@ -146,6 +146,25 @@ def test_the_adaptive_proposer_leaves_the_output_the_targets(ja_target, heldout_
     assert proposer.policy.steps > 0 and proposer.policy.drafted > 0
 
 
+def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_are_found_again(
+        ja_target, heldout_prompts, monkeypatch):
+    """Where the model chooses no drafting (here it never predicts a gain), the steps until it costs the choice
+    again skip matching rows (`RowDraftLengths.quiet_ahead`): the requests are found again after them (one entry
+    each, never a new one), probes still draft on their schedule, and the output is the target's."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
+    monkeypatch.setattr(proposer.policy, "_may_pay", lambda *args, **kwargs: False)
+    monkeypatch.setattr(proposer.policy, "PROBE_BUDGET", 1.0)  # probes on their schedule, whatever they cost
+    out = Engine(model, proposer, prompts, 48).run()
+    for n, prompt in enumerate(prompts):
+        assert out[n] == greedy(model, prompt, 48), n
+    stats = proposer.stats
+    assert stats.skipped >= 0.4 * stats.calls, (stats.skipped, stats.calls)
+    assert proposer.table.created == len(prompts)  # every request kept its entry across the skipped steps
+    assert proposer.policy.probes >= 2 and stats.proposed > 0
+
+
 def test_the_measured_arms_are_told_each_steps_committed_ids(ja_target, heldout_prompts, monkeypatch):
     """Each measured step reaches the policy with the ids it committed (its arms compare seconds per committed
     id): a step without proposals commits exactly one id per request, one with p proposals between one and 1 + p

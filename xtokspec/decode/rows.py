@@ -48,6 +48,7 @@ the last one's cost, stay within 0.5% of the time served); while drafting pays, 
 
 Where the model chooses no drafting at a size, the choice is costed again every `RECHECK` steps at that size, not
 at each: without proposals nothing it learns can change it much, and costing it was most of a quiet call's time.
+In the steps between (`quiet_ahead`) a caller need not even match its rows to requests (`skip`).
 
 The model predicts; each batch size's steps also measure (`measures.Measured`, as `policy.Fallback` compares
 its arms): drafting as chosen, in seconds per committed token with the proposer's call, against the target
@@ -171,6 +172,20 @@ class RowDraftLengths:
         self.pool.observe(accepted, rejected, self.POOL_DECAY)
         return accepted
 
+    def quiet_ahead(self) -> bool:
+        """The next step, at the size of the last one, drafts nothing and probes nothing whatever its requests'
+        rates: the model chose no drafting at this size and is not due to cost it again (RECHECK), and no probe
+        is due. Its caller may leave that step's requests unmatched (`skip`): nothing it would learn there
+        changes a choice before the size is costed again."""
+        return (self.adaptive and self.chose == "alone" and self.quiet_size is not None and self.quiet_left > 0
+                and not self.probing and not self._probe_due())
+
+    def skip(self, requests: Sequence[Acceptance]) -> None:
+        """A step its caller left unmatched where `quiet_ahead` held: the quiet step `lengths` would have
+        chosen, its requests (those of the last step) aged as there."""
+        self.quiet_left -= 1
+        self._alone(len(requests), requests)
+
     # -------------------------------------------------------------------------------- the choice
     def rates(self, requests: Sequence[Acceptance]) -> list[float]:
         prior = self.pool.rate(0.5, 0.0)
@@ -258,14 +273,18 @@ class RowDraftLengths:
         # of the time served: the lengths chosen where only the measurement stops them, else the request that has
         # waited longest drafts, alone (a probe may have to read its request's text first, which a step's count
         # misses: a second-long probe with a slow draft then waits for a hundred seconds served)
-        if self.since_draft >= self.alone_run and \
-                self.probe_spent + self.last_probe <= self.PROBE_BUDGET * self.elapsed:
+        if self._probe_due():
             self.probing, self.probes, self.probed = True, self.probes + 1, True
             if blocked is not None:
                 return self._drafting(blocked, requests)
             probe = max(range(n), key=lambda i: requests[i].idle)
             return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests, "probe")
         return self._alone(n, requests)
+
+    def _probe_due(self) -> bool:
+        """A probe's turn has come (`alone_run` steps without drafting) and the budget allows one more."""
+        return self.since_draft >= self.alone_run and \
+            self.probe_spent + self.last_probe <= self.PROBE_BUDGET * self.elapsed
 
     def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
                  ways: tuple[str, ...]) -> tuple[list[int], float, float]:

@@ -54,6 +54,7 @@ import torch
 
 from ..decode import assemble
 from ..decode.propose import ChainProposer
+from ..decode.rows import RowDraftLengths
 from ..runtime.kv import context_limit, position_bytes, sliding_layers
 from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
 from ..text.chat import DraftView
@@ -136,9 +137,10 @@ class TextBridgeProposer:
             if sliding else None
         self.batched = settings.batched and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
-        # a row gains at most K + 1 ids a step (accepted proposals and one more)
+        # a row gains at most K + 1 ids between two calls that match rows (accepted proposals and one more), or
+        # one a step over the quiet steps the policy lets pass unmatched (RowDraftLengths.quiet_ahead)
         self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * self.max_seqs,
-                                  max_new=self.k + 1,
+                                  max_new=max(self.k + 1, RowDraftLengths.RECHECK),
                                   on_drop=self._release)
         # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
         # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
@@ -173,6 +175,7 @@ class TextBridgeProposer:
         self.policy = self.kept.row_lengths(self.k, settings.adaptive)
         self._last_end: float | None = None  # when the last propose call returned
         self._last_step = 0, 0  # the requests and the proposals the step after it verifies
+        self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
         self.prefill_chunk = settings.prefill_chunk
         self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
@@ -248,6 +251,9 @@ class TextBridgeProposer:
                         "s" if requests > 1 else "", exc_info=err)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        if len(sampled_token_ids) == self._last_rows and not self._last_step[1] and self.policy.quiet_ahead() \
+                and all(sampled_token_ids):
+            return self._skip(sampled_token_ids)
         stats, policy = self.stats, self.policy
         recorded = self.recording_seconds()
         t0 = call_start = time.perf_counter()
@@ -382,6 +388,29 @@ class TextBridgeProposer:
         self._last_end = time.perf_counter()
         policy.observe_time(self._last_step[0], interval, self._last_end - call_start)
         self._last_step = live, sum(len(ids) for ids in out)
+        self._last_rows = len(rows)
+        return out
+
+    def _skip(self, sampled_token_ids) -> list[list[int]]:
+        """A step the policy knows drafts nothing (`RowDraftLengths.quiet_ahead`: the same number of rows as the
+        last call, which proposed nothing, every row a decode step): no row is matched to its request, and the
+        next call matches them with the ids they gained meanwhile (one a step: the table looks that far back).
+        The step before is timed as any other; the requests of the last call age as quiet steps age them."""
+        start = time.perf_counter()
+        policy, stats = self.policy, self.stats
+        interval = None if self._last_end is None else start - self._last_end
+        if interval is not None and self._last_step[0] == len(sampled_token_ids):
+            policy.observe_step(*self._last_step, interval, sum(len(ids) for ids in sampled_token_ids))
+        policy.skip([e.payload.acceptance for e in self.table.entries if e.payload is not None and not e.idle])
+        out = [[] for _ in sampled_token_ids]
+        end = time.perf_counter()
+        stats.calls += 1
+        stats.rows += len(sampled_token_ids)
+        stats.quiet_calls += 1
+        stats.skipped += 1
+        stats.quiet_s += end - start
+        self._last_end = end
+        policy.observe_time(self._last_step[0], interval, end - start)
         return out
 
     def recording_seconds(self) -> float:

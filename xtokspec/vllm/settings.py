@@ -109,6 +109,7 @@ class ProposerStats:
     prefill_chunks: int = 0  # steps in which a request's draft read a chunk of a long text instead of drafting
     healed: int = 0  # proposals whose first drafted id replaced the draft's last one (token healing)
     quiet_calls: int = 0  # calls in which no row drafted
+    skipped: int = 0  # of those, calls the policy knew would draft nothing: rows not matched then (proposer._skip)
     plain_steps: int = 0  # steps vLLM prepared as without speculative decoding (nothing drafted: cpu_sampling)
     quiet_s: float = 0.0  # seconds those calls took (matching rows and bookkeeping: a step without drafts costs this)
     faults: int = 0  # requests that got no proposal because drafting for them failed (logged once per kind)
