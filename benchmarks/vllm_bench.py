@@ -276,7 +276,7 @@ def measure(name: str, prompts: list[str], warm: list[str], args, chosen: dict, 
         if proposers:
             p = proposers[-1].stats
             diff = {f: getattr(p, f) - getattr(stats0, f) for f in ("calls", "rows", "drafting_rows", "quiet_calls",
-                                                                   "quiet_s", "draft_s", "copy_s", "bridge_s",
+                                                                   "skipped", "quiet_s", "draft_s", "copy_s", "bridge_s",
                                                                    "other_s", "proposed", "accepted")}
             row["proposer"] = diff
         result[f"batch{batch}"] = row
@@ -300,7 +300,7 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
     for name in names:
         seconds, outputs = run_batches(engines[name][0], [warm], args.new_tokens, args.temperature, 10_000)
         results[name] = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
-    fields = ("calls", "rows", "drafting_rows", "quiet_calls", "quiet_s", "draft_s", "copy_s", "bridge_s",
+    fields = ("calls", "rows", "drafting_rows", "quiet_calls", "skipped", "quiet_s", "draft_s", "copy_s", "bridge_s",
               "other_s", "proposed", "accepted")
     for batch in args.batches:
         # --queued: every prompt in one queue, `batch` of them running at once
