@@ -48,7 +48,8 @@ def report(log: list) -> None:
     print("reading chunks", sum(r[3][5] for r in steps if r[3]), "new states", sum(r[3][6] for r in steps if r[3]))
 
 
-def main() -> None:
+def main(view=None, name: str = "steps.json") -> None:
+    """`view(policy, rows)`: more of the policy's state appended to each call's entry (`steps_arms.py`)."""
     chosen = vb.preset("fixtures", 3)
     both = vb.load_prompts("fixtures", 40)
     prompts, warm = both[:32], both[32:]
@@ -66,7 +67,7 @@ def main() -> None:
         out = propose(self, sampled, *args, **kwargs)
         last["call"] = (len(out), sum(map(len, out)), time.perf_counter() - t0, self.policy.chose,
                         stats.draft_s - before[0], stats.prefill_chunks - before[1], stats.new_states - before[2],
-                        self.policy.probed)
+                        self.policy.probed) + ((view(self.policy, len(out)),) if view else ())
         return out
 
     TextBridgeProposer._propose = recorded
@@ -86,7 +87,7 @@ def main() -> None:
         result = vb.run_lockstep(engines, prompts, 64, running=8)
         log.append(("round", n, result["alone"][0], result["xtokspec"][0]))
         print("pass", n, f"x/a {result['alone'][0] / result['xtokspec'][0]:.3f}", flush=True)
-    (HERE / "steps.json").write_text(json.dumps(log), encoding="utf-8")
+    (HERE / name).write_text(json.dumps(log), encoding="utf-8")
     report(log)
 
 
