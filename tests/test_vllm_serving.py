@@ -165,6 +165,33 @@ def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_a
     assert proposer.policy.probes >= 2 and stats.proposed > 0
 
 
+def test_a_step_where_a_request_was_replaced_is_not_skipped(monkeypatch):
+    """A skipped step leaves rows unmatched only where each row is its request one id longer: a step in which
+    a request left and another came (the same number of rows) is matched, and the new request gets its entry."""
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
+    monkeypatch.setattr(proposer.policy, "quiet_ahead", lambda: True)
+    monkeypatch.setattr(proposer.policy, "lengths", lambda requests, rows, ways=(), full=True: [0] * len(requests))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 7000, size=(4, 256)).astype(np.int64)
+    lengths = np.array([40, 50, 60, 70])
+
+    def call():
+        return proposer.propose([[int(tokens[r, lengths[r] - 1])] for r in range(4)], lengths.copy(), tokens)
+
+    call()
+    lengths += 1
+    call()
+    assert proposer.stats.skipped == 1 and proposer.table.created == 4
+    tokens[2] = rng.integers(10, 7000, size=256)  # request 2 left, a new one of 30 ids took its row
+    lengths += 1
+    lengths[2] = 30
+    call()
+    assert proposer.stats.skipped == 1 and proposer.table.created == 5
+    lengths += 1
+    call()
+    assert proposer.stats.skipped == 2
+
+
 def test_the_measured_arms_are_told_each_steps_committed_ids(ja_target, heldout_prompts, monkeypatch):
     """Each measured step reaches the policy with the ids it committed (its arms compare seconds per committed
     id): a step without proposals commits exactly one id per request, one with p proposals between one and 1 + p

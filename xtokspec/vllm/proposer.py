@@ -176,6 +176,7 @@ class TextBridgeProposer:
         self._last_end: float | None = None  # when the last propose call returned
         self._last_step = 0, 0  # the requests and the proposals the step after it verifies
         self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
+        self._last_total = -1  # the ids of the last call's rows, summed
         self.prefill_chunk = settings.prefill_chunk
         self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
@@ -251,9 +252,15 @@ class TextBridgeProposer:
                         "s" if requests > 1 else "", exc_info=err)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        if len(sampled_token_ids) == self._last_rows and not self._last_step[1] and self.policy.quiet_ahead() \
-                and all(sampled_token_ids):
+        n = len(sampled_token_ids)
+        # NOTE: a quiet step adds one id to every row: ids summed otherwise mean a request left and another came
+        # (its prefill in the step, its row unknown), which the full call sees
+        total = int(np.sum(num_tokens_no_spec[:n]))
+        if n == self._last_rows and not self._last_step[1] and total == self._last_total + n \
+                and self.policy.quiet_ahead() and all(sampled_token_ids):
+            self._last_total = total
             return self._skip(sampled_token_ids)
+        self._last_total = total
         stats, policy = self.stats, self.policy
         recorded = self.recording_seconds()
         t0 = call_start = time.perf_counter()
@@ -392,8 +399,8 @@ class TextBridgeProposer:
         return out
 
     def _skip(self, sampled_token_ids) -> list[list[int]]:
-        """A step the policy knows drafts nothing (`RowDraftLengths.quiet_ahead`: the same number of rows as the
-        last call, which proposed nothing, every row a decode step): no row is matched to its request, and the
+        """A step the policy knows drafts nothing (`RowDraftLengths.quiet_ahead`: the same rows as the last call,
+        which proposed nothing, each one id longer): no row is matched to its request, and the
         next call matches them with the ids they gained meanwhile (one a step: the table looks that far back).
         The step before is timed as any other; the requests of the last call age as quiet steps age them."""
         start = time.perf_counter()
