@@ -239,6 +239,16 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
     return {name: (seconds[name], [done[name][request] for request in asked[name]]) for name in names}
 
 
+# the proposer's counters a results.json keeps per batch size (xtokspec.vllm.settings.ProposerStats)
+PROPOSER_FIELDS = ("calls", "rows", "drafting_rows", "quiet_calls", "skipped", "quiet_s", "draft_s", "copy_s",
+                   "bridge_s", "other_s", "proposed", "accepted")
+
+
+def proposer_delta(stats, before) -> dict:
+    """What a proposer's counters (`ProposerStats`) gained since `before`, a copy taken earlier."""
+    return {f: getattr(stats, f) - getattr(before, f) for f in PROPOSER_FIELDS}
+
+
 def build_engine(chosen: dict, name: str, max_num_seqs: int, first: str, log_stats: bool = True) -> tuple:
     """An engine of system `name` of the preset `chosen`, its first forwards run (4 tokens of `first`: the
     process's first forwards, for every system alike) -> (LLM, the xtokspec proposers it built)."""
@@ -274,11 +284,7 @@ def measure(name: str, prompts: list[str], warm: list[str], args, chosen: dict, 
                "outputs": outputs, "drafted": after[0] - before[0], "accepted": after[1] - before[1]}
         row["tokens_per_s"] = sum(row["tokens"]) / sum(times)
         if proposers:
-            p = proposers[-1].stats
-            diff = {f: getattr(p, f) - getattr(stats0, f) for f in ("calls", "rows", "drafting_rows", "quiet_calls",
-                                                                   "skipped", "quiet_s", "draft_s", "copy_s", "bridge_s",
-                                                                   "other_s", "proposed", "accepted")}
-            row["proposer"] = diff
+            row["proposer"] = proposer_delta(proposers[-1].stats, stats0)
         result[f"batch{batch}"] = row
         print(f"{name} batch {batch}: {row['tokens_per_s']:.1f} tok/s, drafted/accepted "
               f"{row['drafted']}/{row['accepted']}", flush=True)
@@ -300,8 +306,6 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
     for name in names:
         seconds, outputs = run_batches(engines[name][0], [warm], args.new_tokens, args.temperature, 10_000)
         results[name] = {"system": name, "cold": {"seconds": seconds, "tokens": sum(len(o) for o in outputs)}}
-    fields = ("calls", "rows", "drafting_rows", "quiet_calls", "skipped", "quiet_s", "draft_s", "copy_s", "bridge_s",
-              "other_s", "proposed", "accepted")
     for batch in args.batches:
         # --queued: every prompt in one queue, `batch` of them running at once
         batches = [prompts] if args.queued else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -332,8 +336,7 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
             row["tokens"] = [sum(len(o) for o in row["outputs"][i : i + size]) for i in range(0, len(prompts), size)]
             row["tokens_per_s"] = sum(row["tokens"]) / sum(row["times"])
             if name in stats0:
-                p = engines[name][1][-1].stats
-                row["proposer"] = {f: getattr(p, f) - getattr(stats0[name], f) for f in fields}
+                row["proposer"] = proposer_delta(engines[name][1][-1].stats, stats0[name])
                 # NOTE: with several engines alive vLLM's counters may read only the last one built: the proposer's
                 # own counts (ids proposed; accepted, as seen in the ids committed next) stand in for them
                 row["drafted"], row["accepted"] = row["proposer"]["proposed"], row["proposer"]["accepted"]
