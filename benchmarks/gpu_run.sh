@@ -250,11 +250,11 @@ case "${1:-1}" in
 26)  # captured drafts by default on a GPU, each step drafting the cheaper of batched forwards over the requests'
      # static caches and each request's CUDA graphs: the CUDA tests (proposals equal eager ones, both ways used; the
      # keyed tree roots' bar), the draft forwards' cost four ways by batch, the proposer's own ms per step by way
-  XTOKSPEC_TEST_DEVICE=cuda step 150 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rfE -n 4 \
+  XTOKSPEC_TEST_DEVICE=cuda step 120 tests python3 -m pytest -q -p no:cacheprovider -p no:randomly -rfE -n 4 \
     tests/test_vllm.py tests/test_keyed.py -k "captured_drafts or step_by_step_choice or static_draft_caches or tree_roots_coupled"
-  step 170 batch-drafts-ways python3 benchmarks/batch_draft_cost.py --device cuda --drafts fixture smollm2 \
+  step 180 proposer-ways python3 benchmarks/proposer_ways.py --device cuda --batches 1 2 4 8 16 --out "$OUT/proposer-ways"
+  step 230 batch-drafts-ways python3 benchmarks/batch_draft_cost.py --device cuda --drafts fixture smollm2 \
     --batches 1 2 4 8 16 32 --reps 5 --captured --out "$OUT/batch-drafts-ways"
-  step 150 proposer-ways python3 benchmarks/proposer_ways.py --device cuda --batches 1 2 4 8 16 --out "$OUT/proposer-ways"
   ;;
 esac
 # one archive: the device returns at most 8 files
