@@ -103,7 +103,9 @@ def test_requests_that_skip_steps_propose_nothing_and_catch_up_when_they_draft_a
 
 def test_a_request_builds_its_draft_when_it_first_drafts(ja_target, heldout_prompts):
     """A request's draft (its text encoded for the draft, its cache) is built at its first proposal, from all its
-    ids so far: one that never drafts costs no draft state, one that starts late drafts from the right place."""
+    ids so far: one that never drafts costs no draft state, one that starts late drafts from the right place. The
+    policy is told what each request's draft has to read (all its ids before it is built, a step's few once it
+    drafts) and how many ids it has committed, and measures each first reading."""
     model, tokenizer = ja_target
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:3]]
     proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
@@ -114,11 +116,17 @@ def test_a_request_builds_its_draft_when_it_first_drafts(ja_target, heldout_prom
 
         calls, order = 0, {}
 
+        unread: dict = {}
+        ages: dict = {}
+
         def lengths(self, requests, rows, ways=("batched",), full=True):
             self.calls += 1
             if self.calls == 1:
                 self.order = {id(r): n for n, r in enumerate(requests)}
             which = [self.order[id(r)] for r in requests]
+            for n, r in zip(which, requests, strict=True):
+                self.unread.setdefault(n, []).append(r.unread)
+                self.ages.setdefault(n, []).append(r.age)
             return [3 if n == 0 or (n == 1 and self.calls > 3) else 0 for n in which]
 
     proposer.policy = ByRequest(3)
@@ -129,6 +137,13 @@ def test_a_request_builds_its_draft_when_it_first_drafts(ja_target, heldout_prom
     assert proposer.stats.new_states == 2  # requests 0 and 1
     assert engine.per_request[2][0] == 0 and engine.per_request[1][0] > 0
     assert engine.per_request[1][1] > 0  # built late from its whole text, its drafts are accepted
+    unread = proposer.policy.unread
+    assert unread[0][0] == len(prompts[0]) + 1 and max(unread[0][1:]) <= 4  # its prompt and first id, then a step's
+    assert unread[1][3] == len(prompts[1]) + 4  # three quiet steps more
+    assert unread[2] == list(range(len(prompts[2]) + 1, len(prompts[2]) + 1 + len(unread[2])))  # never read
+    assert proposer.policy.ages[2] == list(range(1, 1 + len(unread[2])))  # one committed id a step
+    read = proposer.policy.read
+    assert {(unread[0][0],), (unread[1][3],)} <= set(read.held) | set(read.times)
 
 
 @pytest.mark.slow

@@ -138,6 +138,11 @@ class Acceptance:
     successes: float = 0.0
     failures: float = 0.0
     idle: int = 0  # steps since it last drafted
+    # target ids its draft must read before it drafts (a new request: all of them; else those committed while it
+    # did not draft), and the ids it has committed so far, set by its caller before each choice: reading them is a
+    # cost of its next proposal, spread over as many steps as it has lived (`RowDraftLengths.startup`)
+    unread: int = 0
+    age: int = 1
 
     def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
         self.successes = decay * self.successes + accepted

@@ -22,6 +22,16 @@ position. k = 0, no draft at all, is one of the choices: where extra positions c
 batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
 target alone, within what the model misses, nothing is drafted either.
 
+A request whose draft must first read text (a new request's prompt, or what it committed while it did not
+draft: `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the
+draft's other costs are, and the reading is worth it over the steps the request still has to run. Those are not
+known ahead: a request that has committed n ids is taken to run about n more (its age; at 8 requests most of a
+batch's new requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while
+those that have run long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"). So each step charges a
+request's reading over its age: it drafts only where the tokens its proposal is expected to add are worth its
+positions and that share of the reading at the step's rate. A new request is read where one step repays it;
+where none would, it waits until it has lived longer or a probe reads it.
+
 That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
 Below the server's limit of running requests (vLLM's `max_num_seqs`: a step with fewer has no request waiting,
 which the scheduler would have admitted) a request that ends sooner frees a slot nobody takes: the requests
@@ -94,6 +104,7 @@ class RowDraftLengths:
         self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
         # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
         self.draft_alone = LinearCosts(1)
+        self.read = LinearCosts(1)  # a request's draft reading the ids it has not read, by those ids
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.steps = 0  # steps whose time was measured
         self.drafted = 0  # drafting calls whose cost was measured
@@ -141,6 +152,21 @@ class RowDraftLengths:
         costs = self.draft if batched and drafting > 1 else self.draft_alone
         costs.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
         self.drafted += 1
+
+    def observe_read(self, ids: int, seconds: float) -> None:
+        """A request's draft read `ids` target ids it had not read (built from them, or caught up) in `seconds`."""
+        if ids > self.cap + 1:
+            self.read.observe((ids,), seconds)
+
+    def startup(self, request: Acceptance) -> float:
+        """What a request's next proposal costs before its draft forwards, per step of the life it can expect:
+        reading its unread ids (where they are more than a drafting request reads each step, its accepted
+        proposals and one more, read with its draft forwards), over its age in committed ids. A request's output
+        length is not known ahead; one that has lived n steps is taken to live about n more (at 8 requests most
+        of a batch's new requests end within a few tokens, while those that have lived long go on)."""
+        if request.unread <= self.cap + 1:
+            return 0.0
+        return self.read(request.unread) / max(1, request.age)
 
     def observe_time(self, rows: int, interval: float | None, call: float) -> None:
         """Where the time goes, for the probes' budget: `interval` since the last call (the step; None: unknown),
@@ -233,14 +259,15 @@ class RowDraftLengths:
             self.quiet_left -= 1
             return self._nothing_pays(n, requests)
         a = self.rates(requests)
+        start = [self.startup(r) for r in requests]
         base = self.step_cost(rows, 0)
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
         slowest = not full and rows > 1  # one request: its rate is the step's
         # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
         for k in range(1, self.cap + 1) if self._may_pay(a, rows, base, ways, slowest) else ():
-            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways) if slowest else \
-                self._best_at(k, a, rows, base, best_rate, ways)
+            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways, start) if slowest else \
+                self._best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
                 best, best_rate = lengths, rate
         self.quiet_size, self.quiet_left = (quiet, self.RECHECK - 1) if not any(best) else (None, 0)
@@ -287,20 +314,22 @@ class RowDraftLengths:
             self.probe_spent + self.last_probe <= self.PROBE_BUDGET * self.elapsed
 
     def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
-                 ways: tuple[str, ...]) -> tuple[list[int], float, float]:
-        """The lengths at most k, each request's chosen at `rate` (tokens per second) -> (lengths, their rate,
-        their seconds); twice, the second time at the rate the first choice gives."""
+                 ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
+        """The lengths at most k, each request's chosen at `rate` (tokens per second; `start`: each request's
+        reading before it drafts) -> (lengths, their rate, their seconds); twice, the second time at the rate the
+        first choice gives."""
         top = self.step_cost(rows, k * len(a))
         slope = max(0.0, (top - base) / (k * len(a)))
         last = None
         for _ in range(2):
-            lengths = [self._length(ai, k, rate, slope) for ai in a]
+            lengths = [self._length(ai, k, rate, slope, si) for ai, si in zip(a, start, strict=True)]
             if lengths == last:
                 break  # the same choice again: the same rate
             drafting = sum(x > 0 for x in lengths)
             if not drafting:
                 return lengths, 0.0, base
-            cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(drafting, k, sum(lengths), ways)[0]
+            cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(drafting, k, sum(lengths), ways)[0] \
+                + sum(si for si, x in zip(start, lengths, strict=True) if x)
             tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
             rate = tokens / max(cost, 1e-9)
             last = lengths
@@ -331,7 +360,7 @@ class RowDraftLengths:
         return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
 
     def _slowest_at(self, k: int, a: list[float], rows: int, base: float,
-                    ways: tuple[str, ...]) -> tuple[list[int], float, float]:
+                    ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
         """Lengths at most k where the slowest request sets the pace -> (lengths, `rows` times its tokens per
         second, their seconds): the request accepted least drafts k, every other the fewest whose expected tokens
         reach its (more would cost positions and keep no request ahead of it)."""
@@ -347,18 +376,22 @@ class RowDraftLengths:
                 j += 1
             lengths.append(j)
         ids = sum(lengths)
-        cost = self.step_cost(rows, ids) + self.forward_cost(len(a), k, ids, ways)[0]
+        cost = self.step_cost(rows, ids) + self.forward_cost(len(a), k, ids, ways)[0] + sum(start)
         return lengths, rows * pace / max(cost, 1e-9), cost
 
     @staticmethod
-    def _length(a: float, k: int, rate: float, slope: float) -> int:
+    def _length(a: float, k: int, rate: float, slope: float, start: float = 0.0) -> int:
         """The most j <= k whose j-th position is worth its seconds at `rate`: a^j tokens >= rate * slope (an
-        earlier position is worth more)."""
-        if slope <= 0 or rate <= 0:
+        earlier position is worth more); 0 where the j positions' tokens, a + ... + a^j, are not worth their
+        seconds and the reading before them (`start`) at that rate."""
+        if rate <= 0:
             return k
-        j, worth = 0, 1.0
+        j, worth, tokens = 0, 1.0, 0.0
         while j < k and worth * a >= rate * slope:
             j, worth = j + 1, worth * a
+            tokens += worth
+        if start > 0 and tokens < rate * (j * slope + start):
+            return 0
         return j
 
     def _probe_cap(self, a: list[float], rows: int, base: float, blocked: list[int] | None = None) -> int:

@@ -26,6 +26,7 @@ class RequestDraft:
         # drafts, all of its ids: its draft is built then, from its whole text (`build`)
         self.pending: list[int] = list(target_ids)
         self.acceptance = Acceptance()  # what vLLM accepted of this request's proposals (decode.rows)
+        self.committed = 1  # ids vLLM has committed for it (its first, sampled with its prompt, included)
         self.state = self.mapper = None  # the draft's ids and cache and its mapper, once built
         self.limit = 0  # ids the draft's cache holds, once built
 
@@ -56,6 +57,7 @@ class RequestDraft:
         the rest), else when it drafts next (a request that is not drafting costs no bridging) -> how many of
         the last proposal's ids vLLM accepted."""
         accepted = 0
+        self.committed += len(new_ids)
         if policy is not None and self.proposed:
             accepted = policy.observe_proposal(self.acceptance, self.proposed, new_ids)
         self.proposed = []
@@ -73,6 +75,11 @@ class RequestDraft:
         elif self.pending:
             self.mapper.commit(self.state, [], self.pending)
             self.pending = []
+
+    @property
+    def unread(self) -> int:
+        """Target ids its draft has not read (all of them before it is built)."""
+        return len(self.pending)
 
     def prepare(self, k: int, room: int) -> int:
         """Make room in the draft's context for k more ids -> how many it may draft (0: none)."""

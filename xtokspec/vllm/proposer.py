@@ -330,6 +330,8 @@ class TextBridgeProposer:
                 continue
             live += room is not None
             if room:
+                request = entry.payload  # what its draft has to read, and its age: a cost of drafting (decode.rows)
+                request.acceptance.unread, request.acceptance.age = request.unread, request.committed
                 candidates.append((r, entry, room))
         return candidates, live
 
@@ -473,6 +475,7 @@ class TextBridgeProposer:
         draft is still reading a long text, one chunk per step; token healing's candidate in the batch; seconds of
         a prefill it ran)."""
         request = entry.payload
+        unread, t0 = request.unread, time.perf_counter()
         ready = request.prepare(k, room)
         state = request.state
         prefill_s = 0.0
@@ -484,6 +487,7 @@ class TextBridgeProposer:
             prefill_s = time.perf_counter() - t1
             self.stats.draft_s += prefill_s
             self.stats.prefill_chunks += 1
+            self.policy.observe_read(unread, time.perf_counter() - t0)
             return None, None, prefill_s
         if batch and ready == k:
             if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
@@ -493,7 +497,9 @@ class TextBridgeProposer:
                 self.stats.draft_s += prefill_s
             fits = self.window is None or len(state.ids) + LONG_TAIL + k < self.window - 1
             if state.cached >= 1 and fits:
+                self.policy.observe_read(unread, time.perf_counter() - t0)
                 return True, request.heal_candidate(), prefill_s
+        self.policy.observe_read(unread, time.perf_counter() - t0)
         return False, None, prefill_s
 
     def cache_bytes(self) -> int:
