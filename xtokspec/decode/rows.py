@@ -259,13 +259,15 @@ class RowDraftLengths:
             self.quiet_left -= 1
             return self._nothing_pays(n, requests)
         a = self.rates(requests)
-        start = [self.startup(r) for r in requests]
         base = self.step_cost(rows, 0)
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
         slowest = not full and rows > 1  # one request: its rate is the step's
         # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
-        for k in range(1, self.cap + 1) if self._may_pay(a, rows, base, ways, slowest) else ():
+        # (the bound holds whatever the readings cost: they only add)
+        pays = self._may_pay(a, rows, base, ways, slowest)
+        start = [self.startup(r) for r in requests] if pays else []
+        for k in range(1, self.cap + 1) if pays else ():
             lengths, rate, _ = self._slowest_at(k, a, rows, base, ways, start) if slowest else \
                 self._best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:

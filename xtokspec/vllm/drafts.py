@@ -25,8 +25,8 @@ class RequestDraft:
         # committed target ids not yet given to the draft (it did not draft since); before the request first
         # drafts, all of its ids: its draft is built then, from its whole text (`build`)
         self.pending: list[int] = list(target_ids)
-        self.acceptance = Acceptance()  # what vLLM accepted of this request's proposals (decode.rows)
-        self.committed = 1  # ids vLLM has committed for it (its first, sampled with its prompt, included)
+        # what vLLM accepted of this request's proposals, and the ids it has committed (its age: decode.rows)
+        self.acceptance = Acceptance()
         self.state = self.mapper = None  # the draft's ids and cache and its mapper, once built
         self.limit = 0  # ids the draft's cache holds, once built
 
@@ -57,7 +57,7 @@ class RequestDraft:
         the rest), else when it drafts next (a request that is not drafting costs no bridging) -> how many of
         the last proposal's ids vLLM accepted."""
         accepted = 0
-        self.committed += len(new_ids)
+        self.acceptance.age += len(new_ids)
         if policy is not None and self.proposed:
             accepted = policy.observe_proposal(self.acceptance, self.proposed, new_ids)
         self.proposed = []

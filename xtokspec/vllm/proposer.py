@@ -330,8 +330,7 @@ class TextBridgeProposer:
                 continue
             live += room is not None
             if room:
-                request = entry.payload  # what its draft has to read, and its age: a cost of drafting (decode.rows)
-                request.acceptance.unread, request.acceptance.age = request.unread, request.committed
+                entry.payload.acceptance.unread = entry.payload.unread  # reading them: a cost (decode.rows)
                 candidates.append((r, entry, room))
         return candidates, live
 
@@ -476,6 +475,13 @@ class TextBridgeProposer:
         a prefill it ran)."""
         request = entry.payload
         unread, t0 = request.unread, time.perf_counter()
+        prepared = self._ready(request, k, room, batch)
+        self.policy.observe_read(unread, time.perf_counter() - t0)  # what the reading cost (decode.rows)
+        return prepared
+
+    def _ready(self, request: RequestDraft, k: int, room: int,
+               batch: bool) -> tuple[bool | None, tuple | None, float]:
+        """`_prepare_row`'s work: the request's draft caught up (built the first time) and prefilled."""
         ready = request.prepare(k, room)
         state = request.state
         prefill_s = 0.0
@@ -487,7 +493,6 @@ class TextBridgeProposer:
             prefill_s = time.perf_counter() - t1
             self.stats.draft_s += prefill_s
             self.stats.prefill_chunks += 1
-            self.policy.observe_read(unread, time.perf_counter() - t0)
             return None, None, prefill_s
         if batch and ready == k:
             if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
@@ -497,9 +502,7 @@ class TextBridgeProposer:
                 self.stats.draft_s += prefill_s
             fits = self.window is None or len(state.ids) + LONG_TAIL + k < self.window - 1
             if state.cached >= 1 and fits:
-                self.policy.observe_read(unread, time.perf_counter() - t0)
                 return True, request.heal_candidate(), prefill_s
-        self.policy.observe_read(unread, time.perf_counter() - t0)
         return False, None, prefill_s
 
     def cache_bytes(self) -> int:
