@@ -320,10 +320,13 @@ class Engine:
     """A stand-in for vLLM's loop around a proposer: each step verifies every running request's proposals
     greedily with the fixture target (one full forward), commits accepted + bonus ids, and calls `propose` with
     the rows laid out as vLLM lays them out (a 2D token array, the lengths, the new ids), in an order `shuffle`
-    may change, without the requests `paused` holds back for a step (preemption)."""
+    may change, without the requests `paused` holds back for a step (preemption); at most `running` at once, the
+    others waiting in order for a slot (as vLLM's `max_num_seqs`). `finishing`: a request's row is handed to
+    `propose` in the step it finishes too, as vLLM does (its slot is freed for the next step)."""
 
-    def __init__(self, target, proposer, prompts: list[list[int]], new_tokens: int, shuffle=None, paused=None):
-        self.target, self.proposer = target, proposer
+    def __init__(self, target, proposer, prompts: list[list[int]], new_tokens: int, shuffle=None, paused=None,
+                 running: int | None = None, finishing: bool = False):
+        self.target, self.proposer, self.running, self.finishing = target, proposer, running, finishing
         self.seqs = {n: list(p) for n, p in enumerate(prompts)}
         self.ends = {n: len(p) + new_tokens for n, p in enumerate(prompts)}
         self.shuffle, self.paused = shuffle, paused or {}
@@ -345,7 +348,7 @@ class Engine:
         pending = {n: [] for n in self.seqs}  # the proposal each request waits to have verified
         step = 0
         while any(len(self.seqs[n]) < self.ends[n] for n in self.seqs):
-            live = [n for n in self.seqs if len(self.seqs[n]) < self.ends[n]]
+            live = [n for n in self.seqs if len(self.seqs[n]) < self.ends[n]][: self.running]
             sampled = {}
             for n in live:
                 if step in self.paused.get(n, ()):
@@ -356,7 +359,7 @@ class Engine:
                     self.ends[n] = len(self.seqs[n]) + len(new)
                 self.seqs[n] += new
                 sampled[n] = new
-            order = [n for n in live if n in sampled and len(self.seqs[n]) < self.ends[n]]
+            order = [n for n in live if n in sampled and (self.finishing or len(self.seqs[n]) < self.ends[n])]
             if self.shuffle:
                 self.shuffle(order)
             tokens = np.zeros((max(1, len(order)), 600), dtype=np.int32)

@@ -15,6 +15,7 @@ from test_vllm import MODELS, Engine, fake_vllm_config
 from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.vllm.drafts import RequestDraft
 from xtokspec.vllm.proposer import TextBridgeProposer
+from xtokspec.vllm.requests import Queue
 
 
 class Scripted(RowDraftLengths):
@@ -337,3 +338,59 @@ def test_a_trimmed_draft_head_drafts_from_its_kept_ids_and_leaves_the_output_the
     with pytest.raises(XTokSpecError, match="xtokspec_draft_vocab_text"):
         TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={
             "xtokspec_draft_vocab_text": str(tmp_path / "missing.txt")}))
+
+
+def test_requests_are_taken_to_wait_only_where_a_freed_slot_was_taken_at_once():
+    """`requests.Queue`: at the scheduler's limit (4 here), a request that left and was replaced at the next step
+    says requests wait, one that left a step with fewer says none does; before any such step none is taken to wait,
+    and below the limit none can be."""
+    queue = Queue(4)
+    # a batch of 4 arrives together (4 new rows), runs, one request ends and nobody takes its slot
+    assert [queue.observe(4, 0, 4, 4), queue.observe(4, 4, 0, 4), queue.observe(3, 3, 0, 3)] == [False] * 3
+    assert not queue.waiting
+    # 4 again (a new batch): nothing left a step at the limit yet, the last evidence holds
+    assert [queue.observe(4, 3, 1, 4), queue.observe(4, 4, 0, 4)] == [False, False]
+    # a request leaves and a waiting one comes in at the next step (its row new, or still prefilling: no ids)
+    assert queue.observe(4, 3, 1, 3) is True and queue.observe(4, 4, 0, 4) is True
+    assert queue.observe(4, 3, 1, 4) is True  # replaced again
+    assert queue.observe(3, 3, 0, 3) is False and not queue.waiting  # the queue ran dry
+    assert queue.observe(2, 2, 0, 2) is False  # below the limit: never
+
+
+@pytest.mark.slow
+def test_the_proposer_chooses_the_steps_throughput_only_while_requests_wait(ja_target, heldout_prompts):
+    """Through the simulated engine with a limit of 4 running requests: 4 requests arriving together (their
+    lengths apart) run at the slowest request's pace throughout (nobody takes a freed slot), while 7 requests
+    queued for 4 slots run at the step's throughput once a freed slot was taken, and at the pace again when
+    the queue has run dry. The output is the target's."""
+    model, tokenizer = ja_target
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:7]]
+    seen = []
+
+    class Told(RowDraftLengths):
+        def lengths(self, requests, rows, ways=("batched",), full=True):
+            seen.append((rows, full))
+            return super().lengths(requests, rows, ways, full)
+
+    def run(prompts, ends):
+        config = fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True})
+        config.scheduler_config.max_num_seqs = 4
+        proposer = TextBridgeProposer(config)
+        proposer.policy = Told(3)
+        engine = Engine(model, proposer, prompts, 24, running=4, finishing=True)
+        for n, new in enumerate(ends):
+            engine.ends[n] = len(prompts[n]) + new
+        seen.clear()
+        out = engine.run()
+        for n, prompt in enumerate(prompts):
+            assert out[n] == greedy(model, prompt, ends[n]), n
+        return list(seen)
+
+    together = run(prompts[:4], [6, 10, 14, 18])
+    assert (4, False) in together and not any(full for _, full in together)
+    queued = run(prompts, [6, 8, 10, 12, 14, 16, 18])
+    fulls = [full for _, full in queued]
+    first = fulls.index(True)
+    # not before a freed slot was taken: the first request ends after its first steps (it commits 6 ids)
+    assert first >= 2, queued
+    assert queued[-1] == (queued[-1][0], False) and queued[-1][0] < 4  # the queue ran dry: the pace again

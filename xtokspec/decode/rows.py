@@ -33,8 +33,9 @@ positions and that share of the reading at the step's rate. A new request is rea
 where none would, it waits until it has lived longer or a probe reads it.
 
 That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
-Below the server's limit of running requests (vLLM's `max_num_seqs`: a step with fewer has no request waiting,
-which the scheduler would have admitted) a request that ends sooner frees a slot nobody takes: the requests
+Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
+would have admitted it; or at the limit where a request that left was not replaced at the next step, as when a
+batch arrived together: `vllm.requests.Queue`) a request that ends sooner frees a slot nobody takes: the requests
 running end when the slowest of them does, and a step's fixed cost, most of it at a few requests, is paid until
 then. Drafting for some requests only then ends them apart and leaves steps of one or two requests at the end,
 where the target alone would have run them together (BENCHMARKS.md, "vLLM", batch 8). So there the policy

@@ -64,7 +64,7 @@ from .batch import draft_together, prefill_tail
 from .cpu_sampling import recurrent, repair_cpu_sampling
 from .drafts import RequestDraft
 from .memory import DraftMemory
-from .requests import Entry, RequestTable
+from .requests import Entry, Queue, RequestTable
 from .settings import (
     CACHE_KEY,
     GRAPHS_KEY,
@@ -113,6 +113,7 @@ class TextBridgeProposer:
         self.table = RequestTable(idle_calls=settings.idle_calls, max_states=2 * self.max_seqs,
                                   max_new=max(self.k + 1, RowDraftLengths.RECHECK),
                                   on_drop=self._release)
+        self.queue = Queue(self.max_seqs)  # whether requests wait for a slot, from the rows coming and going
         self._choose_ways(settings)
         # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
         self.policy = self.kept.row_lengths(self.k, settings.adaptive)
@@ -289,11 +290,15 @@ class TextBridgeProposer:
             # the ids the step committed, where every request it ran is here (one that left, e.g. aborted, is not)
             tokens = sum(len(ids) for ids in sampled_token_ids) if len(rows) == self._last_step[0] else None
             self.policy.observe_step(*self._last_step, interval, tokens)
+        # NOTE: requests waiting for a slot (seen where one freed at the limit, requests.Queue): the policy chooses
+        # the step's throughput, else the slowest request's pace (a request that ends sooner frees a slot nobody
+        # takes; decode.rows)
+        kept = sum(hit is not None and hit[1] > 0 for hit in assigned)
+        matched = sum(hit is not None for hit in assigned)
+        full = self.queue.observe(len(rows), kept, len(rows) - kept, matched)
         candidates, live = self._candidates(assigned, rows)
-        # NOTE: fewer requests than the scheduler's limit: none is waiting (it would have been admitted), so the
-        # policy keeps the slowest request's pace rather than the step's throughput (decode.rows)
         lengths = self.policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways,
-                                      full=len(rows) >= self.max_seqs)
+                                      full=full)
         self.stats.rows += len(candidates)
         self.stats.drafting_rows += sum(x > 0 for x in lengths)
         out: list[list[int]] = [[] for _ in rows]

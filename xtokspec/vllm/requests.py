@@ -174,3 +174,28 @@ class RequestTable:
                     if self.on_drop is not None and e.payload is not None:
                         self.on_drop(e.payload)
         self.entries = keep
+
+
+class Queue:
+    """Whether requests wait for a slot, seen from the rows alone (no scheduler state reaches a proposer).
+
+    A step at the scheduler's limit of running requests (`max_num_seqs`) may have requests waiting or not: a batch
+    that arrived together and fills the limit has none. What tells them apart is a request leaving such a step
+    (finished, aborted, preempted): if a request was waiting, the scheduler admits it at the next step (its row new,
+    or still prefilling); if none was, the next step runs with fewer. The last such evidence holds until the next;
+    before any, none is taken to wait (the policy's careful rule: decode.rows, the slowest request's pace)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.waiting = False
+        self.rows = 0  # the last call's rows
+        self.matched = 0  # of those, the rows matched to a request (new or not)
+
+    def observe(self, rows: int, kept: int, arrived: int, matched: int) -> bool:
+        """A call's `rows`: `kept` matched to a request seen before, `arrived` new or still prefilling (no ids
+        yet), `matched` matched to a request (new or not) -> whether the step it chooses lengths for runs at the
+        limit with requests waiting."""
+        if self.rows >= self.limit and kept < self.matched:  # a request left a step at the limit
+            self.waiting = arrived > 0
+        self.rows, self.matched = rows, matched
+        return self.waiting and rows >= self.limit
