@@ -52,7 +52,9 @@ requests whose token ids equal the target alone's in the same round (`--margins`
 they differ). The target alone's output is checked against transformers (`sanity`): each token vLLM chose,
 teacher-forced, must be transformers' own greedy choice or a near-tie (a wrongly loaded model, such as a tied
 embedding left unloaded, writes tokens far from it). `--check-alone MODEL` runs only that check, for any model
-folder.
+folder. `--pool RESULTS... --out OUT` lays rounds run in separate processes (the same prompts, batches and
+systems) side by side as one results.json and its table: two engines of a float32 1.5B target are not released
+inside one process, so its rounds run one process each.
 """
 
 from __future__ import annotations
@@ -406,6 +408,27 @@ def rerender(path: Path) -> None:
     print(text)
 
 
+def pool(paths: list[Path], out: Path) -> None:
+    """Rounds run in separate processes as one results.json (`--pool`): two engines of a float32 1.5B target are
+    not released inside one process, so its rounds run one process each. Every file must have served the same
+    prompts at the same batch sizes, with the same systems and dtype; its runs are laid side by side, in order."""
+    datas = [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+    first = datas[0]
+    for path, data in zip(paths[1:], datas[1:], strict=True):
+        for key in ("prompts", "batches", "target", "dtype"):
+            if data[key] != first[key]:
+                raise SystemExit(f"--pool: {path} has another {key} than {paths[0]}")
+        if set(data["runs"]) != set(first["runs"]):
+            raise SystemExit(f"--pool: {path} ran {sorted(data['runs'])}, {paths[0]} {sorted(first['runs'])}")
+    runs = {name: [r for data in datas for r in data["runs"][name]] for name in first["runs"]}
+    header = f"{first['header']}; {len(paths)} processes pooled ({', '.join(str(p.parent.name) for p in paths)})"
+    command = " && ".join(data["command"] for data in datas)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**first, "header": header, "command": command, "runs": runs}, indent=1),
+                   encoding="utf-8")
+    rerender(out)
+
+
 def preload_openmp() -> None:
     """Restart this process with Intel OpenMP preloaded, as vLLM's own engine process would be: an in-process engine
     without it ran 2-7x slower and erratically here (vLLM warns so for speculative decoding on a CPU)."""
@@ -528,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only write table.md again beside RESULTS (a "
                         "results.json), from what it holds")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS", help="only pool the rounds of these "
+                        "results.json (the same prompts, batches and systems, run in separate processes) into --out, "
+                        "and write its table.md")
     return parser
 
 
@@ -538,6 +564,11 @@ def main() -> None:
         return
     if args.table:
         rerender(args.table)
+        return
+    if args.pool:
+        if not args.out:
+            raise SystemExit("--pool writes the pooled results.json to --out")
+        pool(args.pool, args.out)
         return
     preload_openmp()
     for name, value in ENV.items():

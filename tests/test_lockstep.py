@@ -58,3 +58,30 @@ def test_lockstep_serves_every_prompt_on_every_engine_at_most_running_at_once(en
         assert [len(o) for o in outputs] == [len(p) for p in prompts]  # each request's ids, in the prompts' order
         assert engine.order == prompts  # admitted in order
         assert engine.most == (running or len(prompts))
+
+
+def test_pool_lays_rounds_of_separate_processes_side_by_side_and_refuses_other_prompts(tmp_path):
+    """`--pool`: two one-round results.json become one of two rounds, whose table pairs each round with its own
+    target alone; a file that served other prompts is refused by name."""
+
+    def one(name, alone, other, prompts=("p", "q")):
+        row = lambda seconds: {"times": [seconds, seconds], "tokens": [10, 10], "outputs": [[1], [2]],  # noqa: E731
+                               "drafted": 0, "accepted": 0}
+        data = {"header": "h", "command": f"run {name}", "target": "t", "dtype": "float32", "prompts": list(prompts),
+                "warm": [], "batches": [1],
+                "runs": {"alone": [{"cold": {"seconds": 1, "tokens": 1}, "batch1": row(alone)}],
+                         "x": [{"cold": {"seconds": 1, "tokens": 1}, "batch1": row(other)}]}}
+        path = tmp_path / name / "results.json"
+        path.parent.mkdir()
+        path.write_text(vllm_bench.json.dumps(data), encoding="utf-8")
+        return path
+
+    a, b = one("run-1", 1.0, 0.5), one("run-2", 2.0, 2.5)
+    vllm_bench.pool([a, b], tmp_path / "pooled" / "results.json")
+    pooled = vllm_bench.json.loads((tmp_path / "pooled" / "results.json").read_text(encoding="utf-8"))
+    assert [r["batch1"]["times"][0] for r in pooled["runs"]["x"]] == [0.5, 2.5]
+    assert "2 processes pooled (run-1, run-2)" in pooled["header"] and pooled["command"] == "run run-1 && run run-2"
+    table = (tmp_path / "pooled" / "table.md").read_text(encoding="utf-8")
+    assert "| x | 1 | 12.0 | 1.400 [0.800] | 1.400 (0.800-2.000) |" in table  # ratios 2, 2, 0.8, 0.8
+    with pytest.raises(SystemExit, match="run-3.*another prompts"):
+        vllm_bench.pool([a, one("run-3", 1.0, 1.0, prompts=("p", "r"))], tmp_path / "bad" / "results.json")
