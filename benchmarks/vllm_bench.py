@@ -20,8 +20,8 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 (`xtokspec_batched_drafts: False`) against the default, draft forwards batched across requests.
 `xtokspec_unhealed`, `xtokspec_gemma_unhealed`: the proposer without token healing (`xtokspec_draft_healing: False`).
 
-`null` (fixtures): vLLM's speculative path with a proposer that never proposes (`common.NullProposer`), so every
-step verifies zero drafted tokens: what that path costs by itself. `alone_again` (fixtures): a second engine of the
+`null`: vLLM's speculative path with a proposer that never proposes (`common.NullProposer`), so every
+step verifies zero drafted tokens: what that path costs by itself. `alone_again`: a second engine of the
 target alone, timed as any other system: the spread of the bench itself (an A/A control), under which no ratio
 to the target alone is resolved.
 
@@ -121,6 +121,9 @@ def preset(name: str, k: int) -> dict:
         }}
     return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
         "alone": {},
+        "alone_again": {},
+        "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",
+                                        "num_speculative_tokens": k}},
         "draft_model": {"speculative_config": {**draft, "model": real("qwen2.5-coder-0.5b")}},
         "tli": {"speculative_config": {**draft, "model": real("smollm2-135m"), "use_heterogeneous_vocab": True}},
         "xtokspec_smollm2": bridged(real("smollm2-135m")),
