@@ -346,15 +346,15 @@ def test_requests_are_taken_to_wait_only_where_a_freed_slot_was_taken_at_once():
     and below the limit none can be."""
     queue = Queue(4)
     # a batch of 4 arrives together (4 new rows), runs, one request ends and nobody takes its slot
-    assert [queue.observe(4, 0, 4, 4), queue.observe(4, 4, 0, 4), queue.observe(3, 3, 0, 3)] == [False] * 3
+    assert [queue.observe(4, 0, 4), queue.observe(4, 4, 4), queue.observe(3, 3, 3)] == [False] * 3
     assert not queue.waiting
     # 4 again (a new batch): nothing left a step at the limit yet, the last evidence holds
-    assert [queue.observe(4, 3, 1, 4), queue.observe(4, 4, 0, 4)] == [False, False]
+    assert [queue.observe(4, 3, 4), queue.observe(4, 4, 4)] == [False, False]
     # a request leaves and a waiting one comes in at the next step (its row new, or still prefilling: no ids)
-    assert queue.observe(4, 3, 1, 3) is True and queue.observe(4, 4, 0, 4) is True
-    assert queue.observe(4, 3, 1, 4) is True  # replaced again
-    assert queue.observe(3, 3, 0, 3) is False and not queue.waiting  # the queue ran dry
-    assert queue.observe(2, 2, 0, 2) is False  # below the limit: never
+    assert queue.observe(4, 3, 3) is True and queue.observe(4, 4, 4) is True
+    assert queue.observe(4, 3, 4) is True  # replaced again
+    assert queue.observe(3, 3, 3) is False and not queue.waiting  # the queue ran dry
+    assert queue.observe(2, 2, 2) is False  # below the limit: never
 
 
 @pytest.mark.slow

@@ -295,7 +295,7 @@ class TextBridgeProposer:
         # takes; decode.rows)
         kept = sum(hit is not None and hit[1] > 0 for hit in assigned)
         matched = sum(hit is not None for hit in assigned)
-        full = self.queue.observe(len(rows), kept, len(rows) - kept, matched)
+        full = self.queue.observe(len(rows), kept, matched)
         candidates, live = self._candidates(assigned, rows)
         lengths = self.policy.lengths([entry.payload.acceptance for _, entry, _ in candidates], live, self.ways,
                                       full=full)

@@ -191,11 +191,11 @@ class Queue:
         self.rows = 0  # the last call's rows
         self.matched = 0  # of those, the rows matched to a request (new or not)
 
-    def observe(self, rows: int, kept: int, arrived: int, matched: int) -> bool:
-        """A call's `rows`: `kept` matched to a request seen before, `arrived` new or still prefilling (no ids
+    def observe(self, rows: int, kept: int, matched: int) -> bool:
+        """A call's `rows`: `kept` matched to a request seen before (the others new or still prefilling, no ids
         yet), `matched` matched to a request (new or not) -> whether the step it chooses lengths for runs at the
         limit with requests waiting."""
         if self.rows >= self.limit and kept < self.matched:  # a request left a step at the limit
-            self.waiting = arrived > 0
+            self.waiting = rows > kept  # another came in at once
         self.rows, self.matched = rows, matched
         return self.waiting and rows >= self.limit
