@@ -55,25 +55,16 @@ import torch
 from ..decode import assemble
 from ..decode.propose import ChainProposer
 from ..decode.rows import RowDraftLengths
-from ..runtime.kv import context_limit, position_bytes, sliding_layers
-from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
+from ..runtime.kv import context_limit
 from ..text.chat import DraftView
-from ..text.codec import TokenCodec
-from ..types import Laps, XTokSpecError, is_int
+from ..types import Laps
+from . import build
 from .batch import draft_together, prefill_tail
 from .cpu_sampling import recurrent, repair_cpu_sampling
 from .drafts import RequestDraft
 from .memory import DraftMemory
 from .requests import Entry, Queue, RequestTable
-from .settings import (
-    CACHE_KEY,
-    GRAPHS_KEY,
-    MEMORY_KEY,
-    TRIM_SIZE_KEY,
-    TRIM_TEXT_KEY,
-    ProposerSettings,
-    ProposerStats,
-)
+from .settings import MEMORY_KEY, ProposerSettings, ProposerStats
 
 log = logging.getLogger("xtokspec")
 
@@ -92,11 +83,17 @@ class TextBridgeProposer:
         spec_config = vllm_config.speculative_config
         extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
         self.settings = settings = ProposerSettings.read(extra, model_config.dtype, draft)
-        self._load(model_config, settings, str(getattr(vllm_config.device_config, "device", "cpu") or "cpu"))
+        loaded = build.load_pair(model_config, settings,
+                                 str(getattr(vllm_config.device_config, "device", "cpu") or "cpu"))
+        self.draft_model, self.draft_tokenizer, self.draft_device = loaded.draft_model, loaded.draft_tokenizer, \
+            loaded.device
+        self.target_tokenizer, self.target_vocab, self.pair = loaded.target_tokenizer, loaded.target_vocab, loaded.pair
+        self.draft_name = settings.draft
         self.kept = assemble.Kept()  # the draft's captured step and dropped requests' static caches
         self.draft_vocab = None
         if settings.trim_text:
-            self.draft_vocab = self._trim(settings.trim_text, settings.trim_size)
+            self.draft_model, self.draft_vocab = build.trim(self.pair, self.draft_model, settings.trim_text,
+                                                            settings.trim_size)
         self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len
@@ -114,7 +111,10 @@ class TextBridgeProposer:
                                   max_new=max(self.k + 1, RowDraftLengths.RECHECK),
                                   on_drop=self._release)
         self.queue = Queue(self.max_seqs)  # whether requests wait for a slot, from the rows coming and going
-        self._choose_ways(settings)
+        ways = build.choose_ways(self.draft_model, self.draft_device, settings, self.kept, self.max_seqs,
+                                 self.max_model_len, self.draft_limit, self.table.max_states)
+        self.ways, self.batched, self.window, self.static_len, self.step, self.draft_backend = (
+            ways.ways, ways.batched, ways.window, ways.static_len, ways.step, ways.backend)
         # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
         self.policy = self.kept.row_lengths(self.k, settings.adaptive)
         self._last_end: float | None = None  # when the last propose call returned
@@ -140,85 +140,6 @@ class TextBridgeProposer:
                  else "one draft forward per request")
         log.info("xtokspec proposer: draft caches at most %d MiB (%s), %d bytes per position", settings.memory_mib,
                  MEMORY_KEY, self.memory.position_bytes)
-
-    def _load(self, model_config, settings: ProposerSettings, device: str) -> None:
-        """The draft (on vLLM's device), the target's tokenizer and EOS ids, and the pair xtokspec bridges."""
-        from transformers import AutoTokenizer
-
-        try:
-            self.draft_model, self.draft_tokenizer = load(settings.draft, f"draft {settings.draft!r}",
-                                                          dtype=settings.dtype)
-        except XTokSpecError:
-            raise
-        except Exception as err:  # NOTE: any failure of loading names the draft (vLLM wraps it in its own error)
-            raise XTokSpecError(
-                f"draft {settings.draft!r}: could not load it ({err.__class__.__name__}: {err})") from err
-        self.draft_model.to(device)
-        self.draft_name = settings.draft
-        self.draft_device = torch.device(device)
-        self.target_tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, revision=getattr(model_config, "tokenizer_revision", None),
-            trust_remote_code=model_config.trust_remote_code)
-        self.target_vocab = model_config.get_vocab_size()
-        eos = model_config.try_get_generation_config().get("eos_token_id")
-        eos = eos if eos is not None else self.target_tokenizer.eos_token_id
-        target_eos = set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-        self.pair = assemble.Pair.of(
-            TokenCodec(self.target_tokenizer, self.target_vocab, "target tokenizer"),
-            TokenCodec(self.draft_tokenizer, self.draft_model.config.vocab_size,
-                       f"draft {settings.draft!r} tokenizer"),
-            target_eos, eos_ids(self.draft_model, self.draft_tokenizer))
-
-    def _choose_ways(self, settings: ProposerSettings) -> None:
-        """How the requests draft: batched forwards over their caches copied side by side (static ones included,
-        which keep their buffers and graphs), each its own forwards, or with captured graphs the cheaper of the
-        two at each step, from the costs measured (decode.rows.RowDraftLengths.way); and their caches' kind."""
-        # batched drafting: for full-attention drafts, and for sliding-window ones while the batch fits the window
-        sliding = sliding_layers(self.draft_model)
-        self.window = getattr(self.draft_model.config.get_text_config(decoder=True), "sliding_window", None) \
-            if sliding else None
-        self.batched = settings.batched and (
-            not sliding or (sliding == ["sliding_attention"] and isinstance(self.window, int)))
-        # a static cache's positions (a draft spends up to ~2.4 ids on a target id's text, SmolLM2 on Qwen's
-        # Japanese); past them the draft keeps the most recent half of its text, as at its context's end
-        self.static_len = min(self.draft_limit, settings.cache_len or max(256, 2 * self.max_model_len))
-        # Captured drafts: each request's draft steps recorded as CUDA graphs over a static cache of its own,
-        # replayed at each step (xtokspec's GraphedStep, as XTokSpec's default on a GPU); a dropped request's
-        # cache goes to the next new request with its graphs. Where graphs cannot be recorded (the CPU, a
-        # sliding-window draft) a warning says why and the draft runs eagerly. By default on a GPU, where a
-        # static cache for every running request fits the draft caches' bound (static caches hold all their
-        # positions from the start).
-        graphs = settings.graphs
-        if graphs is None:
-            needed = self.max_seqs * self.static_len * position_bytes(self.draft_model)
-            graphs = (self.draft_device.type == "cuda" and not sliding and settings.cache != "dynamic"
-                      and needed <= settings.memory_mib * 2**20)
-        self.step = self.kept.step(self.draft_model, "graphs", "static", "draft") if graphs else None
-        cache = settings.cache or ("static" if self.step is not None else "dynamic")
-        if cache == "static" and sliding:
-            raise XTokSpecError(f"{CACHE_KEY}='static': the draft has {sliding} layers, which a static cache cannot "
-                                "roll back; use 'dynamic'")
-        if self.step is not None and cache != "static":
-            raise XTokSpecError(f"{GRAPHS_KEY} records the draft's steps over static caches: {CACHE_KEY}={cache!r}")
-        self.draft_backend = cache
-        if self.step is not None:
-            self.step.KEPT_CACHES = self.table.max_states  # every live request's graphs stay recorded
-        self.ways = ("batched", "alone") if self.batched and self.step is not None else \
-            ("batched",) if self.batched else ("alone",)
-
-    def _trim(self, path, size) -> object:
-        """The draft's output head trimmed to the `size` ids most frequent in the calibration file's lines."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                texts = [line for line in f.read().splitlines() if line.strip()]
-        except OSError as err:
-            raise XTokSpecError(f"{TRIM_TEXT_KEY}: cannot read the calibration text {path!r} ({err})") from err
-        if not is_int(size) or size < 1:
-            raise XTokSpecError(f"{TRIM_SIZE_KEY}: a positive number of ids, got {size!r}")
-        vocab = choose_draft_vocab(self.pair.draft, texts, size, self.pair.draft_eos)
-        self.draft_model = trimmed_draft(self.draft_model, vocab.keep)
-        log.info("xtokspec proposer: %s", vocab.describe())
-        return vocab
 
     def _release(self, request: RequestDraft) -> None:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
