@@ -1,9 +1,10 @@
 """The keyed sampler against today's sampled paths, paired per prompt: tokens per target call and speed.
 
-    python benchmarks/keyed_bench.py [--preset fixtures|real] [--temperature 0.7] [--prompts 16]
+    python benchmarks/keyed_bench.py [--preset fixtures|real] [--temperature 0.7] [--prompts 16] [--first 0]
                                      [--new-tokens 64] [--rounds 2] [--fixed-k K] [--systems onehot,keyed]
                                      [--device cpu|cuda] [--noise-only]
                                      [--out benchmarks/results/MACHINE/STUDY/results.json]
+    python benchmarks/keyed_bench.py --pool A/results.json B/results.json --out POOLED/results.json
 
 Systems, each `XTokSpec.generate(prompt, do_sample=True, temperature=T, seed=n)` on one XTokSpec with the
 library's defaults (adaptive K, the fallback, healing): `onehot` (proposal="onehot", the residual rule), `auto`
@@ -13,8 +14,13 @@ noise), `keyed_onehot` (keyed=True, proposal="onehot"), `tree4` (tree_width=4: a
 and `keyed_tree4` (the same keyed: the root's candidates race on the target's keyed noise). Every prompt runs every system in each round, in an order
 that alternates by prompt and round (ABC, CBA, ...), after one warm-up generation per system; a system's time for
 a prompt is its median over rounds. Ratios are paired per prompt (keyed / onehot, keyed / auto, keyed_onehot /
-onehot, keyed_tree4 / tree4, keyed_tree4 / keyed), the median and a one-sided 95% bootstrap lower bound (scipy, percentile, fixed rng). Also the keyed
-noise's own cost per cycle: `keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
+onehot, keyed_tree4 / tree4, keyed_tree4 / keyed), the median and a one-sided 95% bootstrap lower bound (scipy,
+percentile, fixed rng); beside the speed, the same pairs of target calls per second (speed over tokens per call:
+what a rule costs per cycle, apart from what it happened to accept). Also the keyed noise's own cost per cycle:
+`keyed.noise` for K + 1 rows of the target's vocabulary, timed alone. One torch thread.
+
+Prompt n is sampled with seed n, counted in the whole prompt list, so `--first` runs a later slice of prompts in
+another process (one per core, each one thread) and `--pool` lays such runs side by side as one set of prompts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--first", type=int, default=0, help="skip this many prompts (another process's slice)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fixed-k", type=int, metavar="K", help="every system drafts K every cycle (adaptive=False: "
@@ -51,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the real pair's weights (float32 on a CPU without bfloat16 units)")
     parser.add_argument("--noise-only", action="store_true", help="only the keyed noise's cost on --device")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS",
+                        help="only pool these runs of other prompts (the same settings) into --out")
     parser.add_argument("--out", type=Path, help="write results.json (and results.md beside it) here")
     return parser
 
@@ -97,15 +108,82 @@ def noise_cost(vocab: int, device: str = "cpu", rows: int = 5, repeats: int = 20
     return statistics.median(times)
 
 
+def summarise(runs: dict[str, list[list[dict]]]) -> tuple[dict, dict]:
+    """Per system, the median over prompts of tokens/s (a prompt's median over rounds) and the mean tokens per
+    call; per pair of systems, the paired ratios' median and 95% lower bound, of speed and of calls per second."""
+    from common import lower_bound
+
+    summary = {}
+    for name, per_prompt in runs.items():
+        per = [{"tokens_per_s": statistics.median(x["tokens"] / x["seconds"] for x in rounds),
+                "tokens_per_call": sum(x["tokens"] for x in rounds) / sum(x["calls"] for x in rounds),
+                "calls_per_s": statistics.median(x["calls"] / x["seconds"] for x in rounds)} for rounds in per_prompt]
+        summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
+                         "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
+    pairs = {}
+    for name, other in [pair for pair in PAIRS if set(pair) <= set(runs)]:
+        for measure, label in (("tokens_per_s", ""), ("calls_per_s", " per call")):
+            ratios = [k[measure] / o[measure]
+                      for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
+            pairs[f"{name}/{other}{label}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios),
+                                               "prompts": len(ratios)}
+    return summary, pairs
+
+
+def report(header: str, summary: dict, pairs: dict, costs: dict | None) -> list[str]:
+    lines = [header, "", "| system | tokens/s (median over prompts) | tokens per target call |", "|---|---|---|"]
+    lines += [f"| {name} | {summary[name]['tokens_per_s']:.2f} | {summary[name]['tokens_per_call']:.2f} |"
+              for name in summary]
+    lines += ["", "| paired per prompt | median | 95% lower |", "|---|---|---|"]
+    lines += [f"| {k} | {v['median']:.3f} | {v['lower95']:.3f} |" for k, v in pairs.items()]
+    if costs:
+        lines += ["", f"keyed noise for 5 positions: {costs['noise_s_5_rows'] * 1e3:.2f} ms over {costs['vocab']} ids, "
+                  f"{costs['noise_s_5_rows_151936'] * 1e3:.2f} ms over 151,936 (Qwen's vocabulary)"]
+    return lines
+
+
+def write(out: Path, lines: list[str], data: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    out.with_name("results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def pool(paths: list[Path], out: Path) -> None:
+    """Runs over separate slices of prompts (`--first`) as one results.json: their prompts side by side."""
+    loaded = [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+    settings = [data["header"].split(", ") for data in loaded]
+    for path, data, these in zip(paths, loaded, settings, strict=True):
+        # the header names machine, pair, T, prompts x tokens, rounds and K: all but the prompt count must agree
+        if [x for x in these if "prompts x" not in x] != [x for x in settings[0] if "prompts x" not in x]:
+            raise SystemExit(f"--pool: {path} ran other settings than {paths[0]}:\n{data['header']}\n"
+                             f"{loaded[0]['header']}")
+        if sorted(data["runs"]) != sorted(loaded[0]["runs"]):
+            raise SystemExit(f"--pool: {path} ran {sorted(data['runs'])}, {paths[0]} {sorted(loaded[0]['runs'])}")
+    runs = {name: [rounds for data in loaded for rounds in data["runs"][name]] for name in loaded[0]["runs"]}
+    summary, pairs = summarise(runs)
+    count = len(next(iter(runs.values())))
+    header = ", ".join(f"{count} prompts x {x.split(' prompts x ')[1].split(' (from')[0]}" if "prompts x" in x else x
+                       for x in settings[0]) + f"; {len(paths)} runs pooled"
+    lines = report(header, summary, pairs, None)
+    print("\n".join(lines))
+    write(out, lines, {"header": header, "pooled": [str(path) for path in paths],
+                       "commands": [data["command"] for data in loaded], "summary": summary, "pairs": pairs,
+                       "runs": runs})
+
+
 def main() -> None:
     args = build_parser().parse_args()
+    if args.pool:
+        if not args.out:
+            raise SystemExit("--pool writes the pooled results.json to --out")
+        return pool(args.pool, args.out)
     fixed = {} if args.fixed_k is None else {"num_draft_tokens": args.fixed_k, "adaptive": False}
     names = [name for name in args.systems.split(",") if name]
     unknown = [name for name in names if name not in SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; choose among {list(SYSTEMS)}")
     import torch
-    from common import cpu_name, lower_bound, write_manifest
+    from common import cpu_name, write_manifest
 
     torch.set_num_threads(1)
     if args.out:
@@ -118,55 +196,41 @@ def main() -> None:
             args.out.write_text(json.dumps(costs, indent=1) + "\n", encoding="utf-8")
         return
     spec, prompts = load(args.preset, args.device, args.dtype)
-    prompts = prompts[: args.prompts]
+    prompts = prompts[args.first: args.first + args.prompts]
+    if not prompts:
+        raise SystemExit(f"--first {args.first}: the preset has fewer prompts than that")
     for name in names:  # warm-up
         spec.generate(prompts[0], max_new_tokens=8, do_sample=True, temperature=args.temperature, seed=0,
                       **SYSTEMS[name], **fixed)
     runs = {name: [[] for _ in prompts] for name in names}
+    progress = tqdm(total=args.rounds * len(prompts) * len(names), unit="generation", desc="keyed_bench")
     for r in range(args.rounds):
         for n, prompt in enumerate(prompts):
             order = names if (n + r) % 2 == 0 else names[::-1]
             for name in order:
                 result = spec.generate(prompt, max_new_tokens=args.new_tokens, do_sample=True,
-                                       temperature=args.temperature, seed=n, **SYSTEMS[name], **fixed)
+                                       temperature=args.temperature, seed=args.first + n, **SYSTEMS[name], **fixed)
                 s = result.stats
                 runs[name][n].append({"seconds": s.wall_seconds, "tokens": s.new_tokens, "calls": s.target_forwards,
                                       "drafted": s.drafted, "accepted": s.accepted, "ids": result.token_ids})
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
-    summary = {}
-    for name in names:
-        per = [{"tokens_per_s": statistics.median(x["tokens"] / x["seconds"] for x in runs[name][n]),
-                "tokens_per_call": sum(x["tokens"] for x in runs[name][n]) / sum(x["calls"] for x in runs[name][n])}
-               for n in range(len(prompts))]
-        summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
-                         "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
-    pairs = {}
-    for name, other in [pair for pair in PAIRS if set(pair) <= set(names)]:
-        ratios = [k["tokens_per_s"] / o["tokens_per_s"]
-                  for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
-        pairs[f"{name}/{other}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios)}
+                progress.update()
+    progress.close()
+    summary, pairs = summarise(runs)
     vocab = spec.target_model.config.vocab_size
     costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab, args.device),
              "noise_s_5_rows_151936": noise_cost(151936, args.device)}
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
     header = (f"keyed sampler ({machine}, 1 torch thread), {args.preset} pair"
               + (f" ({args.dtype})" if args.preset == "real" else "") + f", T={args.temperature}, "
-              f"{len(prompts)} prompts x {args.new_tokens} tokens, {args.rounds} rounds, "
+              f"{len(prompts)} prompts x {args.new_tokens} tokens"
+              + (f" (from prompt {args.first})" if args.first else "") + f", {args.rounds} rounds, "
               + ("adaptive defaults" if args.fixed_k is None else f"K={args.fixed_k} every cycle"))
-    lines = [header, "", "| system | tokens/s (median over prompts) | tokens per target call |", "|---|---|---|"]
-    lines += [f"| {name} | {summary[name]['tokens_per_s']:.1f} | {summary[name]['tokens_per_call']:.2f} |"
-              for name in names]
-    lines += ["", "| paired per prompt | median | 95% lower |", "|---|---|---|"]
-    lines += [f"| {k} | {v['median']:.3f} | {v['lower95']:.3f} |" for k, v in pairs.items()]
-    lines += ["", f"keyed noise for 5 positions: {costs['noise_s_5_rows'] * 1e3:.2f} ms over {vocab} ids, "
-              f"{costs['noise_s_5_rows_151936'] * 1e3:.2f} ms over 151,936 (Qwen's vocabulary)"]
+    lines = report(header, summary, pairs, costs)
     print("\n".join(lines))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"header": header, "command": "python benchmarks/keyed_bench.py "
-                                        + " ".join(sys.argv[1:]), "summary": summary, "pairs": pairs,
-                                        "costs": costs, "runs": runs}, indent=1), encoding="utf-8")
-        args.out.with_name("results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write(args.out, lines, {"header": header, "command": "python benchmarks/keyed_bench.py "
+                                + " ".join(sys.argv[1:]), "summary": summary, "pairs": pairs, "costs": costs,
+                                "runs": runs})
 
 
 if __name__ == "__main__":
