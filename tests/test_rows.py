@@ -45,6 +45,10 @@ def test_linear_costs_fit_a_plane_hold_unseen_slopes_at_zero_and_never_go_negati
         falling.observe((m,), 1.0)  # held back
         falling.observe((m,), t)
     assert falling(1) == falling(8) == pytest.approx(0.02)  # a negative slope is held at 0: the weighted mean
+    # sizes that never repeat (prompts' lengths): only the first sample of all is held back
+    once = LinearCosts(1, each_size=False)
+    assert [once.observe((n,), 0.01 * n) for n in (30, 41, 52, 63)] == [False, True, True, True]
+    assert once(50) == pytest.approx(0.5, rel=1e-3)
 
 
 def test_the_small_solver_agrees_with_numpy_and_refuses_a_singular_system():
@@ -494,6 +498,21 @@ def test_a_request_whose_draft_must_first_read_its_text_drafts_only_where_one_st
     alone.since_alone = alone.since_draft = 0
     assert alone.lengths([Acceptance(unread=40)], 1)[0] > 0
     assert alone.startup(Acceptance(unread=4)) == 0.0  # what a drafting request reads each step: no extra cost
+
+
+def test_readings_of_prompts_of_different_lengths_are_measured():
+    """Prompts' lengths rarely repeat: readings at 31, 37, 44 and 52 ids (as eight requests' prompts would) are
+    measured, and eight new requests with 40 ids to read are not read at a small gain. The control, each reading
+    length's first sample held back (as for a server's step shapes), never measures one and reads them all."""
+    for each_size, read in ((False, False), (True, True)):
+        policy = reading_server()
+        policy.read = LinearCosts(1, each_size=each_size)
+        for ids in (31, 37, 44, 52):
+            policy.observe_read(ids, 0.00015 * ids)
+        policy.since_alone = policy.since_draft = policy.quiet_left = 0
+        lengths = policy.lengths([Acceptance(unread=40) for _ in range(8)], 8)
+        assert all(lengths) if read else lengths == [0] * 8, (each_size, lengths)
+    assert RowDraftLengths(3).read.each_size is False
 
 
 def test_control_with_the_reading_left_out_new_requests_draft_at_a_loss(monkeypatch):

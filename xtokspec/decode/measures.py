@@ -24,13 +24,16 @@ class LinearCosts:
     measured (optimism: it is tried, then measured). A size's first sample is held back: vLLM's first step at a
     new shape pays one-time costs (kernel selection, allocations: several times the next step's, BENCHMARKS.md,
     "vLLM"), and a size the policy then avoids would keep that figure as its median; held back, the size counts
-    as unmeasured, hence cheap, and is tried again."""
+    as unmeasured, hence cheap, and is tried again. With `each_size=False` only the first sample of all is held
+    back: for a cost whose sizes rarely repeat (a draft reading a request's prompt, by its length), where holding
+    back each size's first would hold back nearly every sample and leave the cost unmeasured for good, and whose
+    one-time costs come once (the draft's first forwards in the process), not at each new size."""
 
     SAMPLES = 8  # recent samples kept per size
     RIDGE = 1e-6  # a slope's pull to 0, against each sample's weight of 1
 
-    def __init__(self, features: int):
-        self.features = features
+    def __init__(self, features: int, each_size: bool = True):
+        self.features, self.each_size = features, each_size
         self.times: dict[tuple, collections.deque] = {}
         # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
         # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
@@ -47,7 +50,7 @@ class LinearCosts:
         size = tuple(size)
         samples = self.times.get(size)
         if samples is None:
-            if size not in self.held:
+            if size not in self.held and (self.each_size or not self.held):
                 self.held.add(size)
                 return False
             samples = self.times[size] = collections.deque(maxlen=self.SAMPLES)

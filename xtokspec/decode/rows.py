@@ -105,7 +105,8 @@ class RowDraftLengths:
         self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
         # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
         self.draft_alone = LinearCosts(1)
-        self.read = LinearCosts(1)  # a request's draft reading the ids it has not read, by those ids
+        # a request's draft reading the ids it has not read, by those ids: prompts' lengths rarely repeat
+        self.read = LinearCosts(1, each_size=False)
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.steps = 0  # steps whose time was measured
         self.drafted = 0  # drafting calls whose cost was measured
