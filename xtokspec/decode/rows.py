@@ -24,7 +24,8 @@ target alone, within what the model misses, nothing is drafted either.
 
 A request whose draft must first read text (a new request's prompt, or what it committed while it did not
 draft: `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the
-draft's other costs are, and the reading is worth it over the steps the request still has to run. Those are not
+draft's other costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the
+reading is worth it over the steps the request still has to run. Those are not
 known ahead: a request that has committed n ids is taken to run about n more (its age; at 8 requests most of a
 batch's new requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while
 those that have run long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"). So each step charges a
