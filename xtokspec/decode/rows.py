@@ -75,43 +75,12 @@ verifies whatever is proposed.
 
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 from collections.abc import Sequence
 
 from ..types import expected_tokens
 from .measures import UNMEASURED, Acceptance, LinearCosts, Measured, outcome
 from .policy import DECAY, WARM_CYCLES, Fallback
-
-
-@functools.cache
-def normal_max(n: int) -> float:
-    """The expected largest of n standard normal values (Blom's approximation, within 0.03 of the exact value for
-    n <= 256; 0 for one)."""
-    return 0.0 if n <= 1 else statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
-
-
-def finishing_pace(a: float, k: int, horizon: float, rows: int) -> float:
-    """Tokens per step at which the last of `rows` requests drafting k ids at acceptance `a` ends `horizon` tokens.
-    A request commits X = 1 + J tokens a step, J the proposals accepted (P(J >= j) = a^j, j <= k); it needs about
-    horizon / E[X] steps with a spread of sqrt(horizon Var[X] / E[X]^3) (renewal theory), and the
-    last of `rows` such requests about `normal_max(rows)` spreads more (a Gaussian approximation, checked against
-    simulated requests in tests/test_rows.py). The target alone
-    commits exactly one token a step: its requests end together."""
-    mean = var = 0.0
-    chance = 1.0  # P(J >= j)
-    for j in range(k + 1):
-        p = chance * (1 - a) if j < k else chance
-        mean += (1 + j) * p
-        var += (1 + j) ** 2 * p
-        chance *= a
-    # steps until a request has committed `horizon`: (horizon + its last step's overshoot) / E[X] (Wald), the
-    # overshoot about E[X^2] / (2 E[X]) - 1/2 on whole tokens (exact for X = 1)
-    steps = (horizon - 0.5 + var / (2 * mean)) / mean
-    var -= mean * mean
-    steps += normal_max(rows) * math.sqrt(max(var, 0.0) * horizon / mean**3)
-    return horizon / steps
 
 
 class RowDraftLengths:
@@ -297,14 +266,12 @@ class RowDraftLengths:
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
         slowest = not full and rows > 1  # one request: its rate is the step's
-        # the tokens the requests have left, taken as their typical age (a request that has run n runs about n more)
-        horizon = max(self.cap + 1, sorted(r.age for r in requests)[n // 2]) if slowest else 0.0
         # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
         # (the bound holds whatever the readings cost: they only add)
         pays = self._may_pay(a, rows, base, ways, slowest)
         start = [self.startup(r) for r in requests] if pays else []
         for k in range(1, self.cap + 1) if pays else ():
-            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways, start, horizon) if slowest else \
+            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways, start) if slowest else \
                 self._best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
                 best, best_rate = lengths, rate
@@ -397,17 +364,14 @@ class RowDraftLengths:
                 return False
         return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
 
-    def _slowest_at(self, k: int, a: list[float], rows: int, base: float, ways: tuple[str, ...],
-                    start: list[float], horizon: float = 0.0) -> tuple[list[int], float, float]:
+    def _slowest_at(self, k: int, a: list[float], rows: int, base: float,
+                    ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
         """Lengths at most k where the slowest request sets the pace -> (lengths, `rows` times its tokens per
         second, their seconds): the request accepted least drafts k, every other the fewest whose expected tokens
-        reach its (more would cost positions and keep no request ahead of it). `horizon`: the tokens the requests
-        are taken to have left; the pace is then the one at which the last of them ends (`finishing_pace`)."""
+        reach its (more would cost positions and keep no request ahead of it)."""
         if rows > len(a):  # a request that cannot draft commits one token a step, however the others draft
             return [0] * len(a), 0.0, base
         pace = expected_tokens(min(a), k)
-        if horizon and rows > 1:
-            pace = finishing_pace(min(a), k, horizon, rows)
         lengths = []
         for ai in a:  # NOTE: expected tokens summed position by position: a dozen calls fewer per request
             j, worth, tokens = 1, ai, 1.0 + ai
