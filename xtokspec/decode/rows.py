@@ -22,16 +22,16 @@ position. k = 0, no draft at all, is one of the choices: where extra positions c
 batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
 target alone, within what the model misses, nothing is drafted either.
 
-A request whose draft must first read text (a new request's prompt, or what it committed while it did not
-draft: `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the
-draft's other costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the
-reading is worth it over the steps the request still has to run. Those are not
-known ahead: a request that has committed n ids is taken to run about n more (its age; at 8 requests most of a
-batch's new requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while
-those that have run long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"). So each step charges a
-request's reading over its age: it drafts only where the tokens its proposal is expected to add are worth its
-positions and that share of the reading at the step's rate. A new request is read where one step repays it;
-where none would, it waits until it has lived longer or a probe reads it.
+A request whose draft must first read text (a new request's prompt, or what it committed while it did not draft:
+`Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the draft's other
+costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the reading is
+worth it over the steps the request still has to run. Those are not known ahead: a request that has committed n ids
+is taken to run about n more (its age; at 8 requests most of a batch's new requests end within a few tokens, and
+reading them all at once cost 35-50 ms in one call, while those that have run long run on:
+`b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"). So each step charges a request's reading over its age: it drafts
+only where the tokens its proposal is expected to add are worth its positions and that share of the reading at the
+step's rate. A new request is read where one step repays it; where none would, it waits until it has lived longer
+or a probe reads it.
 
 That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
 Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
