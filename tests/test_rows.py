@@ -251,7 +251,7 @@ def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
     policy.alone_run = 1000  # no probe in the way
     policy.since_draft = 5  # the target alone for the last 5 steps
     assert policy.lengths([marginal], 1) == [0]
-    policy.since_draft = 0  # drafted at the last step
+    policy.since_draft, policy.quiet_left = 0, 0  # drafted at the last step (which costs the choice again)
     assert policy.lengths([marginal], 1) == [1]
     policy.since_draft = 5
     assert policy.lengths([good], 1) == [1]
@@ -285,6 +285,38 @@ def test_control_without_the_measured_arms_the_carried_fit_drafts_at_a_loss(monk
     monkeypatch.setattr(Measured, "drafting_loses", lambda self, rows: False)
     result = served_at_eight_after_smaller_batches(RowDraftLengths(3))
     assert result["ratio"] < 0.97 and result["drafting"] > 0.3, result
+
+
+def test_where_the_measurement_stops_drafting_the_choice_is_costed_every_few_steps_and_probes_draft_it():
+    """Where the model predicts drafting pays and only the measured arms stop it (8 requests, HIDDEN_AT_EIGHT), the
+    steps that follow are quiet calls as where the model chooses none: the choice is costed once in RECHECK steps
+    (a probe's turn aside), and `quiet_ahead` lets a proposer skip the rest; the probes still come. Control: the
+    same steps with each choice left uncached (`quiet_size` cleared) cost the choice at every step."""
+
+    def serve(clear: bool) -> tuple[int, int, list]:  # -> (choices costed, steps quiet ahead, probes)
+        policy = RowDraftLengths(3)
+        served_at_eight_after_smaller_batches(policy)
+        step, draft = HIDDEN_AT_EIGHT
+        rng, requests = random.Random(3), [Acceptance(successes=7.0, failures=3.0) for _ in range(8)]
+        costed, probes, ahead = [], [], 0
+        assert policy.measured[8].drafting_loses(8)  # what stops drafting here
+        may_pay = policy._may_pay
+        policy._may_pay = lambda *args: costed.append(1) or may_pay(*args)
+        last = None
+        for _ in range(400):
+            if clear:
+                policy.quiet_size = None
+            ahead += policy.quiet_ahead()
+            _, last, _, _ = serve_step(policy, requests, [0.7] * 8, step, draft, rng, last)
+            if policy.probed:
+                probes.append((policy.chose, policy.since_draft))
+        return len(costed), ahead, probes
+
+    costed, ahead, probes = serve(clear=False)
+    assert probes, probes
+    assert costed <= 400 // RowDraftLengths.RECHECK + 2 * len(probes) + 2, (costed, len(probes))
+    assert ahead >= 0.6 * 400, ahead
+    assert serve(clear=True)[0] >= 400 - 2 * len(probes) - 10  # the control costs nearly every step
 
 
 def test_measured_arms_compare_seconds_per_committed_token_at_one_size():

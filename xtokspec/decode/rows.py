@@ -58,8 +58,9 @@ the steps between probes; the request that has waited longest; and only while th
 the last one's cost, stay within 0.5% of the time served); while drafting pays, one step in
 `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
-Where the model chooses no drafting at a size, the choice is costed again every `RECHECK` steps at that size, not
-at each: without proposals nothing it learns can change it much, and costing it was most of a quiet call's time.
+Where nothing is chosen to draft at a size (by the model, its margin, or the measurement below), the choice is
+costed again every `RECHECK` steps at that size, not at each: without proposals nothing it learns can change it
+much, and costing it was most of a quiet call's time.
 In the steps between (`quiet_ahead`) a caller need not even match its rows to requests (`skip`).
 
 The model predicts; each batch size's steps also measure (`measures.Measured`, as `policy.Fallback` compares
@@ -127,8 +128,9 @@ class RowDraftLengths:
         # or neither ("cold", a one-request "probe", "none"), which the arms do not count
         self.last_call = 0.0  # the last call's seconds
         self.alone_seen = False  # a step without proposals has been measured
-        self.quiet_size: tuple | None = None  # (rows, requests, full) where the model last chose no drafting
+        self.quiet_size: tuple | None = None  # (rows, requests, full) where nothing was last chosen to draft
         self.quiet_left = 0  # steps at that size before it is costed again
+        self.quiet_blocked = False  # there, the model chose drafting and only the measured arms stopped it
 
     # -------------------------------------------------------------------------------- what was measured
     def observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
@@ -203,7 +205,7 @@ class RowDraftLengths:
 
     def quiet_ahead(self) -> bool:
         """The next step, at the size of the last one, drafts nothing and probes nothing whatever its requests'
-        rates: the model chose no drafting at this size and is not due to cost it again (RECHECK), and no probe
+        rates: nothing was chosen to draft at this size and it is not due to be costed again (RECHECK), no probe
         is due. Its caller may leave that step's requests unmatched (`skip`): nothing it would learn there
         changes a choice before the size is costed again."""
         return (self.adaptive and self.chose == "alone" and self.quiet_size is not None and self.quiet_left > 0
@@ -258,7 +260,8 @@ class RowDraftLengths:
         # (no proposal: no acceptance; the target's cost at a size it has measured) can change that choice much:
         # it is costed again every RECHECK steps, not at each (a quiet call's largest part, BENCHMARKS.md, "vLLM")
         quiet = (rows, n, full)
-        if self.quiet_size == quiet and self.quiet_left > 0 and not self.probing:
+        if self.quiet_size == quiet and self.quiet_left > 0 and not self.probing \
+                and not (self.quiet_blocked and self._probe_due()):
             self.quiet_left -= 1
             return self._nothing_pays(n, requests)
         a = self.rates(requests)
@@ -275,10 +278,10 @@ class RowDraftLengths:
                 self._best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
                 best, best_rate = lengths, rate
-        self.quiet_size, self.quiet_left = (quiet, self.RECHECK - 1) if not any(best) else (None, 0)
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
         # start again, its evidence fading in between
         margin = 0.0 if self.since_draft == 0 else self.MARGIN
+        self.quiet_size = None
         blocked = None  # the lengths chosen, where drafting them has measured slower than the target alone
         if any(best) and best_rate >= (1 + margin) * alone:
             measured = self.measured.get(rows, UNMEASURED)
@@ -293,6 +296,10 @@ class RowDraftLengths:
             # here (a fit carried from other sizes; vLLM's own work per proposal), and the measurement wins
             blocked = best
         # nothing pays: the target alone, but a probe drafts once every alone_run steps
+        # NOTE: whatever stopped drafting here (the model, its margin, the measurement), the steps that follow at
+        # this size change little until a probe: costed again after RECHECK steps, or where a probe of the lengths
+        # the measurement blocked is due (so that the probe drafts them, fresh)
+        self.quiet_size, self.quiet_left, self.quiet_blocked = quiet, self.RECHECK - 1, blocked is not None
         if self.probing:  # the probe was measured and lost
             self.probing = False
             self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, blocked))
