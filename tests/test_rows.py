@@ -11,6 +11,7 @@ from copy import deepcopy
 import numpy as np
 import pytest
 
+from xtokspec.decode import rows
 from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome, solve_small
 from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.types import expected_tokens
@@ -189,6 +190,30 @@ def test_a_new_request_starts_from_the_pooled_acceptance():
     for _ in range(200):
         policy.observe_proposal(Acceptance(), [1, 1, 1], [2])  # every first proposal rejected
     assert policy.rates([Acceptance()])[0] < 0.1
+
+
+def test_a_request_starts_from_the_rate_pooled_at_its_age():
+    """Long answers (proposing at 40-100 committed ids) accept every proposal, new requests (1-5 ids in) reject
+    their first: a new request starts near the young requests' rate, one 60 ids in near the long answers', and an
+    age no proposal has come from from the rate pooled over all ages. Control: with one band for every age (the
+    pool over all), the new request starts from the long answers' rate, which it does not reach."""
+
+    def served() -> RowDraftLengths:
+        policy = RowDraftLengths(3)
+        rng = random.Random(0)
+        for _ in range(100):
+            old, young = Acceptance(age=rng.randint(40, 100) + 4), Acceptance(age=rng.randint(1, 5) + 1)
+            policy.observe_proposal(old, [1, 1, 1], [1, 1, 1, 3])
+            policy.observe_proposal(young, [1, 1, 1], [2])
+        return policy
+
+    policy = served()
+    new, old, unseen = policy.rates([Acceptance(age=2), Acceptance(age=60), Acceptance(age=20)])
+    assert new < 0.2 and old > 0.9, (new, old)
+    assert unseen == pytest.approx(policy.rates([Acceptance(age=20)])[0]) and 0.2 < unseen < 0.9, unseen
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rows, "age_band", lambda age: 1)
+        assert served().rates([Acceptance(age=2)])[0] > 0.5
 
 
 def test_not_adaptive_drafts_the_cap_for_every_request():

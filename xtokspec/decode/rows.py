@@ -50,9 +50,13 @@ and fitted as a plane (a line) through the sizes' medians, each weighted by its 
 many sizes with few samples each, noisy one by one, and samples kept per size keep a slope measured however
 long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes seen cannot show is
 taken as 0 (optimism: drafting is tried, then measured). Acceptance is learned per request from
-what vLLM accepted of its last proposal; a new request starts from the rate pooled over the requests before it,
-and a request that has not drafted for a while drifts back to that pooled rate (its own evidence fades), so it is
-tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
+what vLLM accepted of its last proposal. A request starts from the rate pooled over earlier requests' proposals
+made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ... committed ids; a band leans on the rate pooled
+over all ages until it has its own evidence): how well a draft follows depends on where in its text a request is,
+and a batch's new requests are accepted far less than the long answers that make most of the proposals (at 4-8
+requests on the fixtures, a rate pooled over all ages predicted 1.5-2x the tokens realized:
+`b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to its age's pooled rate (its own
+evidence fades), so it is tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
 schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 0.5% of
 the steps between probes; the request that has waited longest; and only while the probes so far and one more, at
 the last one's cost, stay within 0.5% of the time served); while drafting pays, one step in
@@ -84,6 +88,11 @@ from .measures import UNMEASURED, Acceptance, LinearCosts, Measured, outcome
 from .policy import DECAY, WARM_CYCLES, Fallback
 
 
+def age_band(age: int) -> int:
+    """The band of a request's age in committed ids, in doublings: 1, 2-3, 4-7, 8-15, ..."""
+    return max(1, age).bit_length()
+
+
 class RowDraftLengths:
     """Each step: how many tokens each running request drafts (this module's docstring). One per proposer: the
     costs are the models' and the machine's, the pooled acceptance the pair's on the traffic served."""
@@ -97,7 +106,8 @@ class RowDraftLengths:
     # of about that size (a proposal's bookkeeping in the calls after it), so a smaller predicted gain may be a
     # loss (BENCHMARKS.md, "vLLM", the T=0.7 runs)
     MARGIN = 0.05
-    PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate) is worth this many proposals
+    PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate at its age) is worth this many proposals
+    BAND_WEIGHT = 2.0  # an age band's pooled rate leans on the rate pooled over all ages by this many proposals
     RECHECK = 4  # where nothing pays at a size, the choice is costed again after this many steps
 
     def __init__(self, cap: int, adaptive: bool = True):
@@ -110,6 +120,7 @@ class RowDraftLengths:
         # a request's draft reading the ids it has not read, by those ids: prompts' lengths rarely repeat
         self.read = LinearCosts(1, each_size=False)
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
+        self.by_age: dict[int, Acceptance] = {}  # pooled over requests' proposals by their age (`age_band`)
         self.steps = 0  # steps whose time was measured
         self.drafted = 0  # drafting calls whose cost was measured
         self.since_draft = 0  # steps since the last one that drafted
@@ -201,6 +212,9 @@ class RowDraftLengths:
         accepted, rejected = outcome(proposed, new)
         request.observe(accepted, rejected)
         self.pool.observe(accepted, rejected, self.POOL_DECAY)
+        # the request's age when it proposed: its ids now less those committed since
+        band = self.by_age.setdefault(age_band(request.age - len(new)), Acceptance())
+        band.observe(accepted, rejected, self.POOL_DECAY)
         return accepted
 
     def quiet_ahead(self) -> bool:
@@ -219,8 +233,13 @@ class RowDraftLengths:
 
     # -------------------------------------------------------------------------------- the choice
     def rates(self, requests: Sequence[Acceptance]) -> list[float]:
-        prior = self.pool.rate(0.5, 0.0)
-        return [min(r.rate(prior, self.PRIOR_WEIGHT), 0.999) for r in requests]
+        """Each request's per-token acceptance: its own evidence, and for a prior the rate pooled over earlier
+        requests' proposals at its age (this module's docstring)."""
+        pooled = self.pool.rate(0.5, 0.0)
+        priors = {}
+        for band, seen in self.by_age.items():
+            priors[band] = seen.rate(pooled, self.BAND_WEIGHT)
+        return [min(r.rate(priors.get(age_band(r.age), pooled), self.PRIOR_WEIGHT), 0.999) for r in requests]
 
     def forward_cost(self, drafting: int, k: int, ids: int, ways: tuple[str, ...] = ("batched",)) -> tuple[float, str]:
         """The draft's seconds beyond a quiet call when `drafting` requests draft `ids` ids, at most k each, and
@@ -441,7 +460,7 @@ class RowDraftLengths:
 
     @staticmethod
     def _age(request: Acceptance, length: int) -> None:
-        """A request that does not draft forgets its own evidence by DECAY a step: it drifts back to the pooled
+        """A request that does not draft forgets its own evidence by DECAY a step: it drifts back to its age's pooled
         rate and is tried again when that pays."""
         if length == 0:
             request.successes *= DECAY
