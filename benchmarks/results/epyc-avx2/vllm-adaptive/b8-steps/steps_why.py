@@ -7,7 +7,7 @@ target alone's, and the measured arms at that size (`drafting_loses`); each step
 step: predicted against realized seconds and tokens for drafting calls, the fitted step against the realized one
 for quiet calls (`output-why.txt`).
 
-    python benchmarks/results/epyc-avx2/vllm-adaptive/b8-steps/steps_why.py   (env as vllm_bench.py's, one core)
+    python benchmarks/results/epyc-avx2/vllm-adaptive/b8-steps/steps_why.py [--real]   (env as vllm_bench.py's, one core)
 """
 
 import collections
@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -112,20 +113,30 @@ def summary(log: list) -> list[str]:
 
 
 def main() -> None:
+    """`--real`: the real pair instead (float32, the trimmed Gemma-3-270M for Qwen2.5-Coder-1.5B, 8 prompts x 32
+    tokens, batch 1, 4 and 8 once each, as vllm_bench.py's `real-f32-trim/` runs; `why-real.json.gz`,
+    `output-why-real.txt`)."""
+    real = "--real" in sys.argv[1:]
     log: list = []
     record(log)
-    chosen = vb.preset("fixtures", 3)
-    both = vb.load_prompts("fixtures", 40)
-    prompts, warm = both[:32], both[32:]
-    llm, _ = vb.build_engine(chosen, "xtokspec", 8, prompts[0], log_stats=False)
-    vb.run_batches(llm, [warm], 64)
-    for batch in (1, 4, 8, 8):
+    chosen = vb.preset("real" if real else "fixtures", 3)
+    count, tokens, system = (8, 32, "xtokspec_gemma_trim") if real else (32, 64, "xtokspec")
+    if real:
+        chosen["dtype"] = "float32"
+    both = vb.load_prompts("real" if real else "fixtures", count + 8)
+    prompts, warm = both[:count], both[count:]
+    if real:
+        vb.held_out(chosen, set(both), Path(tempfile.mkdtemp()))
+    llm, _ = vb.build_engine(chosen, system, 8, prompts[0], log_stats=False)
+    vb.run_batches(llm, [warm], tokens)
+    for batch in (1, 4, 8) if real else (1, 4, 8, 8):
         log.append(dict(ev="batch", size=batch))
-        vb.run_batches(llm, [prompts[i : i + batch] for i in range(0, 32, batch)], 64)
-    with gzip.open(HERE / "why.json.gz", "wt", encoding="utf-8") as f:
+        vb.run_batches(llm, [prompts[i : i + batch] for i in range(0, count, batch)], tokens)
+    name = "-real" if real else ""
+    with gzip.open(HERE / f"why{name}.json.gz", "wt", encoding="utf-8") as f:
         json.dump(log, f)
     lines = summary(log)
-    (HERE / "output-why.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (HERE / f"output-why{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
