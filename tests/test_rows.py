@@ -282,6 +282,31 @@ def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
     assert policy.lengths([good], 1) == [1]
 
 
+def test_a_request_that_must_first_read_its_text_starts_only_past_the_margin():
+    """The same measured costs, drafting at the last step: the marginal request goes on below the margin, but the
+    same request with 40 ids to read first (a new request, or one that stopped drafting; its reading measured at
+    0.4 ms, a share of 0.004 ms a step over its age of 100) starts drafting, and does not below the margin. Control:
+    the margin waived for the reading request as for the others drafts it."""
+    policy = RowDraftLengths(1)
+    for _ in range(4):
+        policy.observe_step(1, 0, 0.025)
+        policy.observe_step(1, 1, 0.026)
+        policy.observe_call(1, 0, 0, 1e-4)
+        policy.observe_call(1, 1, 1, 1e-4 + 0.003)
+        policy.observe_read(40, 0.0004)
+    policy.alone_run = 1000  # no probe in the way
+    going, reading = Acceptance(successes=20.0, failures=82.0, age=100), \
+        Acceptance(successes=20.0, failures=82.0, age=100, unread=40)
+    assert 0 < policy.startup(reading) < 1e-5
+    policy.since_draft = policy.quiet_left = 0
+    assert policy.lengths([going], 1) == [1]
+    policy.since_draft = policy.quiet_left = 0
+    assert policy.lengths([reading], 1) == [0]
+    policy.since_draft = policy.quiet_left = 0
+    policy.MARGIN = 0.0  # the control
+    assert policy.lengths([reading], 1) == [1]
+
+
 # A step's cost with a term the sizes 1-4 cannot show: each proposal costs 1.5 ms more from 8 requests on (on a
 # CPU, vLLM's target step grows faster with positions in larger batches). A plane fitted on sizes 1-4 carries to 8
 # and predicts drafting one id each ~13% ahead there; it is ~11% behind.

@@ -20,7 +20,8 @@ of 8 requests is not one of 2 requests with 6 proposals. For each k, request i d
 last one is worth its target position at the step's rate: a_i^j * rate >= the target's seconds per extra
 position. k = 0, no draft at all, is one of the choices: where extra positions cost more than they return (a large
 batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
-target alone, within what the model misses, nothing is drafted either.
+target alone, within what the model misses, drafting does not start (it goes on below it while it has just
+drafted, unless a request must first read its text: that starts it).
 
 A request whose draft must first read text (a new request's prompt, or what it committed while it did not draft:
 `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the draft's other
@@ -298,8 +299,11 @@ class RowDraftLengths:
             if rate > best_rate:
                 best, best_rate = lengths, rate
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
-        # start again, its evidence fading in between
-        margin = 0.0 if self.since_draft == 0 else self.MARGIN
+        # start again, its evidence fading in between. A choice in which a request must first read its text starts
+        # that request: its reading is paid in full at once, where the model charges a share a step, and the
+        # largest misses measured were there (a batch's new requests at 4-8 requests: b8-steps/output-why*.txt)
+        reads = any(x and si > 0 for x, si in zip(best, start, strict=False))
+        margin = 0.0 if self.since_draft == 0 and not reads else self.MARGIN
         self.quiet_size = None
         blocked = None  # the lengths chosen, where drafting them has measured slower than the target alone
         if any(best) and best_rate >= (1 + margin) * alone:
