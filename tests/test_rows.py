@@ -260,20 +260,29 @@ def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmea
     assert policy.forward_cost(8, 3, 24, both) == pytest.approx((0.012, "batched"))
 
 
-def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
-    """Measured: a 25-ms step, 26 ms with one proposal, 3 ms a draft forward. A request accepting 0.2 is predicted
-    3.6% ahead drafting one id: from the target alone that is within RowDraftLengths.MARGIN (5%: what the model
-    misses inside vLLM), so it does not start; while drafting it goes on (a margin to go on as well would stop
-    and restart requests whose estimate wavers near it). A request accepting 0.4 (21% ahead) starts."""
+def near_the_margin(read: bool = False) -> RowDraftLengths:
+    """A policy that measured a 25-ms step, 26 ms with one proposal, 3 ms a draft forward (`read`: and a draft's
+    reading of 40 ids at 0.4 ms), with no probe in the way."""
     policy = RowDraftLengths(1)
     for _ in range(4):
         policy.observe_step(1, 0, 0.025)
         policy.observe_step(1, 1, 0.026)
         policy.observe_call(1, 0, 0, 1e-4)
         policy.observe_call(1, 1, 1, 1e-4 + 0.003)
+        if read:
+            policy.observe_read(40, 0.0004)
+    policy.alone_run = 1000
+    return policy
+
+
+def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
+    """Measured: a 25-ms step, 26 ms with one proposal, 3 ms a draft forward. A request accepting 0.2 is predicted
+    3.6% ahead drafting one id: from the target alone that is within RowDraftLengths.MARGIN (5%: what the model
+    misses inside vLLM), so it does not start; while drafting it goes on (a margin to go on as well would stop
+    and restart requests whose estimate wavers near it). A request accepting 0.4 (21% ahead) starts."""
+    policy = near_the_margin()
     marginal, good = Acceptance(successes=20.0, failures=82.0), Acceptance(successes=40.0, failures=60.0)
     assert policy.rates([marginal, good]) == pytest.approx([0.202, 0.402], abs=1e-3)
-    policy.alone_run = 1000  # no probe in the way
     policy.since_draft = 5  # the target alone for the last 5 steps
     assert policy.lengths([marginal], 1) == [0]
     policy.since_draft, policy.quiet_left = 0, 0  # drafted at the last step (which costs the choice again)
@@ -287,14 +296,7 @@ def test_a_request_that_must_first_read_its_text_starts_only_past_the_margin():
     same request with 40 ids to read first (a new request, or one that stopped drafting; its reading measured at
     0.4 ms, a share of 0.004 ms a step over its age of 100) starts drafting, and does not below the margin. Control:
     the margin waived for the reading request as for the others drafts it."""
-    policy = RowDraftLengths(1)
-    for _ in range(4):
-        policy.observe_step(1, 0, 0.025)
-        policy.observe_step(1, 1, 0.026)
-        policy.observe_call(1, 0, 0, 1e-4)
-        policy.observe_call(1, 1, 1, 1e-4 + 0.003)
-        policy.observe_read(40, 0.0004)
-    policy.alone_run = 1000  # no probe in the way
+    policy = near_the_margin(read=True)
     going, reading = Acceptance(successes=20.0, failures=82.0, age=100), \
         Acceptance(successes=20.0, failures=82.0, age=100, unread=40)
     assert 0 < policy.startup(reading) < 1e-5
