@@ -56,12 +56,12 @@ made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ... committed i
 over all ages until it has its own evidence): how well a draft follows depends on where in its text a request is,
 and a batch's new requests are accepted far less than the long answers that make most of the proposals (at 4-8
 requests on the fixtures, a rate pooled over all ages predicted 1.5-2x the tokens realized:
-`b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to its age's pooled rate (its own
-evidence fades), so it is tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a probe, on `policy.Fallback`'s
-schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe costs more than 0.5% of
-the steps between probes; the request that has waited longest; and only while the probes so far and one more, at
-the last one's cost, stay within 0.5% of the time served); while drafting pays, one step in
-`Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
+`b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to its age's pooled rate (its
+own evidence fades), so it is tried again. While nothing is drafted, one request in one step in `alone_run` drafts
+(a probe, on `policy.Fallback`'s schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a
+probe costs more than 0.5% of the steps between probes; the request that has waited longest; and only while the
+probes so far and one more, at the last one's cost, stay within 0.5% of the time served); while drafting pays, one
+step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
 Where nothing is chosen to draft at a size (by the model, its margin, or the measurement below), the choice is
 costed again every `RECHECK` steps at that size, not at each: without proposals nothing it learns can change it
