@@ -584,6 +584,51 @@ def test_a_request_whose_draft_must_first_read_its_text_drafts_only_where_one_st
     assert alone.startup(Acceptance(unread=4)) == 0.0  # what a drafting request reads each step: no extra cost
 
 
+def test_a_reading_is_charged_over_the_steps_drafting_lasted_after_earlier_readings():
+    """Eight requests with 40 ids to read, each 40 steps old: charged over their age (0.15 ms a step each) they
+    draft. Where the readings measured so far were followed by two steps of drafting each (drafting stopped
+    there), the same reading is charged over two steps (3 ms each, at a few ms gained a step) and none is read;
+    the requests with nothing to read still draft. Control: the reading charged over the age alone, as before any
+    run was measured, reads them all."""
+    requests = [Acceptance(unread=40, age=40) for _ in range(8)]
+    for runs, drafts in ((0, True), (10, False)):
+        policy = reading_server()
+        for _ in range(runs):
+            policy.observe_run(2)
+        assert policy.life(requests[0]) == pytest.approx(40.0 if not runs else 2.0)
+        lengths = policy.lengths(requests, 8)
+        assert all(lengths) if drafts else lengths == [0] * 8, (runs, lengths)
+        policy.quiet_left = policy.since_draft = 0
+        assert all(policy.lengths([Acceptance(age=40) for _ in range(8)], 8))
+    assert policy.life(Acceptance(age=1)) == 1.0  # a new request can draft no longer than it is taken to run
+
+
+def test_a_drafting_run_is_measured_from_a_reading_to_the_next_one_or_the_requests_end():
+    """A request reads its prompt (three steps, a chunk each), drafts three more steps, stops for two and reads
+    what it committed meanwhile: that ends a run of six steps. Two more drafting steps, then it leaves: a run of
+    two. The mean run is the decayed mean of the two, and the readings of one prompt in chunks end no run."""
+    policy = RowDraftLengths(3)
+    request = Acceptance(unread=120)
+    for unread in (120, 80, 40, 2, 2, 2):  # its prompt read a chunk a step, then its proposals and one more
+        request.unread = unread
+        policy._drafting([3], [request])
+        request.observe(2, True)  # the proposal's answer
+    assert policy.runs == 0 and request.run == 6
+    policy._alone(1, [request])
+    policy._alone(1, [request])
+    request.unread = 9  # committed while it did not draft: more than a drafting request reads each step
+    policy._drafting([3], [request])
+    assert policy.runs == 1 and policy.run_steps == 6 and request.run == 1
+    request.unread = 2
+    policy._drafting([3], [request])
+    policy.forget(request)  # it left
+    assert request.run == 0
+    decay = RowDraftLengths.RUN_DECAY
+    assert policy.life(Acceptance(age=100)) == pytest.approx((6 * decay + 2) / (decay + 1))
+    policy.forget(request)  # leaving twice counts once
+    assert policy.runs == pytest.approx(decay + 1)
+
+
 def test_readings_of_prompts_of_different_lengths_are_measured():
     """Prompts' lengths rarely repeat: readings at 31, 37, 44 and 52 ids (as eight requests' prompts would) are
     measured, and eight new requests with 40 ids to read are not read at a small gain. The control, each reading

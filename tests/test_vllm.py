@@ -510,6 +510,22 @@ def test_a_row_that_ends_with_the_targets_eos_drafts_nothing(ja_target, heldout_
 
 
 @pytest.mark.slow
+def test_requests_that_leave_end_their_drafting_runs(ja_target, heldout_prompts):
+    """Five requests, two running at a time: the first ones leave (their states dropped after the table's idle
+    calls) while the others run, and each one's drafting run is measured then (what a reading is charged over,
+    decode.rows); the output is the target's."""
+    model, tokenizer = ja_target
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:5]]
+    out = Engine(model, proposer, prompts, 12, running=2).run()
+    for n, prompt in enumerate(prompts):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0].tolist()
+        assert out[n] == reference[: len(out[n])] and (len(out[n]) == len(reference) or out[n][-1] == EOS), n
+    assert proposer.table.dropped >= 2
+    assert proposer.policy.runs > 1.5 and proposer.policy.run_steps >= proposer.policy.runs
+
+
+@pytest.mark.slow
 def test_healing_proposers_restate_and_the_output_stays_the_targets(ja_target, heldout_prompts):
     """Token healing in the proposer (xtokspec_draft_healing, on by default), batched and one request at a time:
     the draft replaces its last token in some proposals, the same ones both ways (the same proposals, step for

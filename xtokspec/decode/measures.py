@@ -146,6 +146,7 @@ class Acceptance:
     # cost of its next proposal, spread over as many steps as it has lived (`RowDraftLengths.startup`)
     unread: int = 0
     age: int = 1
+    run: int = 0  # the steps it has drafted since its draft last read its text (`RowDraftLengths.life`)
 
     def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
         self.successes = decay * self.successes + accepted

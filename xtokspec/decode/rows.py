@@ -26,13 +26,16 @@ drafted, unless a request must first read its text: that starts it).
 A request whose draft must first read text (a new request's prompt, or what it committed while it did not draft:
 `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the draft's other
 costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the reading is
-worth it over the steps the request still has to run. Those are not known ahead: a request that has committed n ids
-is taken to run about n more (its age; at 8 requests most of a batch's new requests end within a few tokens, and
-reading them all at once cost 35-50 ms in one call, while those that have run long run on:
-`b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"). So each step charges a request's reading over its age: it drafts
-only where the tokens its proposal is expected to add are worth its positions and that share of the reading at the
-step's rate. A new request is read where one step repays it; where none would, it waits until it has lived longer
-or a probe reads it.
+worth it over the steps the request will then draft. Those are not known ahead. A request can draft no longer than
+it runs, and one that has committed n ids is taken to run about n more (its age; at 8 requests most of a batch's new
+requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while those that have run
+long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"); nor longer than drafting goes on paying, which the
+runs of drafting steps that followed earlier readings measure (their mean over ~50 runs, ended by a new reading or
+by the request leaving; before any, the age alone: a reading that drafting stopped after two or three steps was
+charged over a long life, and never repaid: `b8-steps/output-why-real.txt`). So each step charges a request's
+reading over the lesser of the two (`life`): it drafts only where the tokens its proposal is expected to add are
+worth its positions and that share of the reading at the step's rate. A new request is read where one step repays
+it; where none would, it waits until it has lived longer or a probe reads it.
 
 That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
 Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
@@ -110,6 +113,7 @@ class RowDraftLengths:
     PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate at its age) is worth this many proposals
     BAND_WEIGHT = 2.0  # an age band's pooled rate leans on the rate pooled over all ages by this many proposals
     RECHECK = 4  # where nothing pays at a size, the choice is costed again after this many steps
+    RUN_DECAY = 0.98  # per observed drafting run: their mean follows the traffic over ~50 runs
 
     def __init__(self, cap: int, adaptive: bool = True):
         self.cap, self.adaptive = cap, adaptive
@@ -120,6 +124,7 @@ class RowDraftLengths:
         self.draft_alone = LinearCosts(1)
         # a request's draft reading the ids it has not read, by those ids: prompts' lengths rarely repeat
         self.read = LinearCosts(1, each_size=False)
+        self.runs = self.run_steps = 0.0  # the drafting runs that followed a reading: decayed count and steps
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.by_age: dict[int, Acceptance] = {}  # pooled over requests' proposals by their age (`age_band`)
         self.steps = 0  # steps whose time was measured
@@ -176,14 +181,33 @@ class RowDraftLengths:
             self.read.observe((ids,), seconds)
 
     def startup(self, request: Acceptance) -> float:
-        """What a request's next proposal costs before its draft forwards, per step of the life it can expect:
+        """What a request's next proposal costs before its draft forwards, per step it can expect to draft:
         reading its unread ids (where they are more than a drafting request reads each step, its accepted
-        proposals and one more, read with its draft forwards), over its age in committed ids. A request's output
-        length is not known ahead; one that has lived n steps is taken to live about n more (at 8 requests most
-        of a batch's new requests end within a few tokens, while those that have lived long go on)."""
+        proposals and one more, read with its draft forwards), over its `life`."""
         if request.unread <= self.cap + 1:
             return 0.0
-        return self.read(request.unread) / max(1, request.age)
+        return self.read(request.unread) / self.life(request)
+
+    def life(self, request: Acceptance) -> float:
+        """The steps a request that reads now is expected to draft: its age in committed ids (one that has lived
+        n steps is taken to live about n more: at 8 requests most of a batch's new requests end within a few
+        tokens, while those that have lived long go on), and at most the mean run of drafting steps that followed
+        the readings measured so far (drafting stops where it stops paying, and the reading is then spent)."""
+        life = float(max(1, request.age))
+        if self.runs > 0:
+            life = min(life, max(1.0, self.run_steps / self.runs))
+        return life
+
+    def observe_run(self, steps: int) -> None:
+        """A request drafted `steps` steps after its draft read its text, then stopped or left."""
+        self.runs = self.RUN_DECAY * self.runs + 1.0
+        self.run_steps = self.RUN_DECAY * self.run_steps + steps
+
+    def forget(self, request: Acceptance) -> None:
+        """A request has left (ended, aborted, or its state dropped): its drafting run, if any, has ended."""
+        if request.run > 0:
+            self.observe_run(request.run)
+            request.run = 0
 
     def observe_time(self, rows: int, interval: float | None, call: float) -> None:
         """Where the time goes, for the probes' budget: `interval` since the last call (the step; None: unknown),
@@ -451,6 +475,12 @@ class RowDraftLengths:
         self.since_draft = 0
         self.since_alone += 1
         for length, request in zip(lengths, requests, strict=True):
+            if length:
+                # a reading after steps without drafting ends the run that followed the last one (a new request's
+                # reading, or a long text read a chunk a step, goes on with its run)
+                if request.unread > self.cap + 1 and request.idle > 0 and request.run > 0:
+                    self.forget(request)
+                request.run += 1
             self._age(request, length)
         return lengths
 

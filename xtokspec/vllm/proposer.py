@@ -142,7 +142,9 @@ class TextBridgeProposer:
                  MEMORY_KEY, self.memory.position_bytes)
 
     def _release(self, request: RequestDraft) -> None:
-        """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them)."""
+        """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them);
+        its drafting run, if any, has ended (the policy's measure of how long drafting lasts after a reading)."""
+        self.policy.forget(request.acceptance)
         if request.state is not None:  # a request that never drafted has no cache
             self.kept.release(request.state, keep=self.table.max_states)
 
