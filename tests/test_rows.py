@@ -606,7 +606,8 @@ def test_a_reading_is_charged_over_the_steps_drafting_lasted_after_earlier_readi
 def test_a_drafting_run_is_measured_from_a_reading_to_the_next_one_or_the_requests_end():
     """A request reads its prompt (three steps, a chunk each), drafts three more steps, stops for two and reads
     what it committed meanwhile: that ends a run of six steps. Two more drafting steps, then it leaves: a run of
-    two. The mean run is the decayed mean of the two, and the readings of one prompt in chunks end no run."""
+    two. The mean run is the decayed mean of the two, and the readings of one prompt in chunks end no run. Runs of
+    steps the policy was made to draft (a cold start's, a probe's) are left out."""
     policy = RowDraftLengths(3)
     request = Acceptance(unread=120)
     for unread in (120, 80, 40, 2, 2, 2):  # its prompt read a chunk a step, then its proposals and one more
@@ -627,6 +628,17 @@ def test_a_drafting_run_is_measured_from_a_reading_to_the_next_one_or_the_reques
     assert policy.life(Acceptance(age=100)) == pytest.approx((6 * decay + 2) / (decay + 1))
     policy.forget(request)  # leaving twice counts once
     assert policy.runs == pytest.approx(decay + 1)
+    # a run the policy chose no step of (a cold start's, a probe's) drafted because it was made to: not counted,
+    # unless the policy then chose to go on
+    made, went_on = Acceptance(unread=40), Acceptance(unread=40)
+    for _ in range(4):
+        policy._drafting([1, 1], [made, went_on], "cold")
+    policy._drafting([0, 1], [made, went_on])
+    policy.forget(made)
+    assert policy.runs == pytest.approx(decay + 1)
+    policy.forget(went_on)
+    assert policy.runs == pytest.approx((decay + 1) * decay + 1)
+    assert policy.run_steps == pytest.approx((6 * decay + 2) * decay + 5)
 
 
 def test_readings_of_prompts_of_different_lengths_are_measured():

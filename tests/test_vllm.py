@@ -512,17 +512,21 @@ def test_a_row_that_ends_with_the_targets_eos_drafts_nothing(ja_target, heldout_
 @pytest.mark.slow
 def test_requests_that_leave_end_their_drafting_runs(ja_target, heldout_prompts):
     """Five requests, two running at a time: the first ones leave (their states dropped after the table's idle
-    calls) while the others run, and each one's drafting run is measured then (what a reading is charged over,
-    decode.rows); the output is the target's."""
+    calls) while the others run, and the policy is told of each as it leaves (its drafting run ends there: what a
+    reading is charged over, decode.rows); the output is the target's."""
     model, tokenizer = ja_target
-    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe"))
+    left = []
+    proposer.policy.forget = left.append
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:5]]
     out = Engine(model, proposer, prompts, 12, running=2).run()
     for n, prompt in enumerate(prompts):
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0].tolist()
         assert out[n] == reference[: len(out[n])] and (len(out[n]) == len(reference) or out[n][-1] == EOS), n
     assert proposer.table.dropped >= 2
-    assert proposer.policy.runs > 1.5 and proposer.policy.run_steps >= proposer.policy.runs
+    assert len(left) == proposer.table.dropped and len({id(a) for a in left}) == len(left)
+    kept = [e.payload.acceptance for e in proposer.table.entries if e.payload is not None]
+    assert not any(a is b for a in left for b in kept)  # those told of have left
 
 
 @pytest.mark.slow

@@ -147,6 +147,7 @@ class Acceptance:
     unread: int = 0
     age: int = 1
     run: int = 0  # the steps it has drafted since its draft last read its text (`RowDraftLengths.life`)
+    run_chosen: bool = False  # the policy chose one of those steps (not a cold start's or a probe's)
 
     def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
         self.successes = decay * self.successes + accepted

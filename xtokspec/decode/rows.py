@@ -31,8 +31,10 @@ it runs, and one that has committed n ids is taken to run about n more (its age;
 requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while those that have run
 long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"); nor longer than drafting goes on paying, which the
 runs of drafting steps that followed earlier readings measure (their mean over ~50 runs, ended by a new reading or
-by the request leaving; before any, the age alone: a reading that drafting stopped after two or three steps was
-charged over a long life, and never repaid: `b8-steps/output-why-real.txt`). So each step charges a request's
+by the request leaving; runs the policy chose no step of, a cold start's or a probe's, left out: they drafted
+because they were made to, and a policy that drew its runs' length from them would not start at all; before any
+run, the age alone: a reading that drafting stopped after two or three steps was charged over a long life, and
+never repaid: `b8-steps/output-why-real.txt`). So each step charges a request's
 reading over the lesser of the two (`life`): it drafts only where the tokens its proposal is expected to add are
 worth its positions and that share of the reading at the step's rate. A new request is read where one step repays
 it; where none would, it waits until it has lived longer or a probe reads it.
@@ -204,10 +206,11 @@ class RowDraftLengths:
         self.run_steps = self.RUN_DECAY * self.run_steps + steps
 
     def forget(self, request: Acceptance) -> None:
-        """A request has left (ended, aborted, or its state dropped): its drafting run, if any, has ended."""
-        if request.run > 0:
+        """A request has left (ended, aborted, or its state dropped): its drafting run, if any, has ended (and
+        counts where the policy chose one of its steps)."""
+        if request.run > 0 and request.run_chosen:
             self.observe_run(request.run)
-            request.run = 0
+        request.run, request.run_chosen = 0, False
 
     def observe_time(self, rows: int, interval: float | None, call: float) -> None:
         """Where the time goes, for the probes' budget: `interval` since the last call (the step; None: unknown),
@@ -481,6 +484,7 @@ class RowDraftLengths:
                 if request.unread > self.cap + 1 and request.idle > 0 and request.run > 0:
                     self.forget(request)
                 request.run += 1
+                request.run_chosen = request.run_chosen or (chose == "drafting" and not self.probed)
             self._age(request, length)
         return lengths
 
