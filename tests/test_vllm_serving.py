@@ -13,7 +13,8 @@ import torch
 from test_vllm import MODELS, Engine, fake_vllm_config
 
 from xtokspec.decode.rows import RowDraftLengths
-from xtokspec.vllm.drafts import RequestDraft
+from xtokspec.types import XTokSpecError
+from xtokspec.vllm.drafts import RequestDraft, recent_start
 from xtokspec.vllm.proposer import TextBridgeProposer
 from xtokspec.vllm.requests import Queue
 
@@ -253,6 +254,34 @@ def test_a_long_prompt_is_read_in_chunks_while_the_others_draft(ja_target, heldo
         assert out[n] == greedy(model, prompt, 16), n
     assert proposer.stats.prefill_chunks >= 300 * 1.0 / 32 - 1  # the draft's prompt is at least as long in ids
     assert max(widths) <= 32 + 16, max(widths)  # a chunk, or the rest of a prompt, or a short tail
+
+
+def test_a_draft_that_reads_only_recent_text_begins_at_a_character_and_leaves_the_output_the_targets(
+        ja_target, heldout_prompts):
+    """`xtokspec_draft_read`: a new request's draft reads only the most recent ids of its text. Where they would
+    begin inside a character (byte-fallback pieces of one), they begin after it. The policy is told of the few
+    ids the draft will read, the draft reads a long prompt in one step (no chunks), and every output is the
+    target's. A value under 8 is refused by name."""
+    model, tokenizer = ja_target
+    proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_read": 24}))
+    codec = proposer.pair.target
+    pieces = tokenizer.convert_tokens_to_ids(["<0xE3>", "<0x81>", "<0x82>"])  # one character, byte by byte
+    assert tokenizer.unk_token_id not in pieces and tokenizer.decode(pieces) == "あ"
+    text = tokenizer("".join(heldout_prompts[:3]))["input_ids"][1:]
+    ids = text + pieces + text[:9]
+    assert recent_start(codec, ids, 11) == len(text) + 3  # two of the character's pieces: after it
+    assert recent_start(codec, ids, 12) == len(text)  # its first piece: from it
+    assert recent_start(codec, ids, 12, same_vocab=True) == len(ids) - 12
+    long_prompt = tokenizer("".join(heldout_prompts * 4))["input_ids"][:300]
+    prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:3]] + [long_prompt]
+    out = Counted(model, proposer, prompts, 16).run()
+    for n, prompt in enumerate(prompts):
+        assert out[n] == greedy(model, prompt, 16), n
+    assert proposer.stats.prefill_chunks == 0 and proposer.stats.proposed > 0
+    waiting = RequestDraft(proposer, long_prompt)
+    assert waiting.unread == 24
+    with pytest.raises(XTokSpecError, match="xtokspec_draft_read"):
+        TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_read": 4}))
 
 
 @pytest.mark.slow

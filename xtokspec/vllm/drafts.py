@@ -36,6 +36,9 @@ class RequestDraft:
         owner, target_ids = self.owner, self.pending
         self.pending = []
         pair = owner.pair
+        if owner.read_ids is not None and len(target_ids) > owner.read_ids:
+            # its most recent text only: what a draft follows most on, for a fraction of a long reading
+            target_ids = target_ids[recent_start(pair.target, target_ids, owner.read_ids, pair.same_vocab):]
         if pair.same_vocab:
             prompt, tail = list(target_ids), []
         else:
@@ -78,7 +81,9 @@ class RequestDraft:
 
     @property
     def unread(self) -> int:
-        """Target ids its draft has not read (all of them before it is built)."""
+        """Target ids its draft has not read (all of them before it is built, or the most recent it will read)."""
+        if self.state is None and self.owner.read_ids is not None:
+            return min(len(self.pending), self.owner.read_ids)
         return len(self.pending)
 
     def prepare(self, k: int, room: int) -> int:
@@ -125,6 +130,19 @@ class RequestDraft:
         eos = bool(drafted) and drafted[-1] in self.owner.chain.draft_eos
         self.drafted, self.draft_steps = drafted, len(drafted)
         return self.mapper.to_target(drafted, [], eos)[0][: max(0, room)]
+
+
+def recent_start(codec: TokenCodec, ids: Sequence[int], most: int, same_vocab: bool = False) -> int:
+    """Where the most recent `most` ids (or a few fewer) begin, at the start of a character: the first of them
+    whose bytes do not continue one (a byte-fallback piece, or a byte-level token holding a character's tail).
+    Between models of one vocabulary, ids are read as they are."""
+    start = max(0, len(ids) - most)
+    if same_vocab:
+        return start
+    table = codec.token_bytes
+    while start < len(ids) and (not table[ids[start]] or 0x80 <= table[ids[start]][0] < 0xC0):
+        start += 1
+    return start
 
 
 def complete_prefix(codec: TokenCodec, ids: Sequence[int]) -> int:

@@ -122,6 +122,7 @@ class TextBridgeProposer:
         self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
         self._last_total = -1  # the ids of the last call's rows, summed
         self.prefill_chunk = settings.prefill_chunk
+        self.read_ids = settings.read_ids  # a new request's draft reads at most its last so many ids
         self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
         self._faults_seen: set[tuple] = set()

@@ -24,6 +24,9 @@ CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (
 TRIM_TEXT_KEY, TRIM_SIZE_KEY = "xtokspec_draft_vocab_text", "xtokspec_draft_vocab"
 MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
 CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
+# the most recent target ids of a request's text its draft reads when it is built (default: all): a draft reading
+# less context may follow the text less well, and costs less to start (BENCHMARKS.md, "vLLM")
+READ_KEY = "xtokspec_draft_read"
 HEALING_KEY = "xtokspec_draft_healing"  # False: no token healing (SpecConfig.draft_healing; default: heal)
 # False: vLLM prepares steps without drafts on its speculative path (default: as without it; vllm/cpu_sampling.py)
 PLAIN_KEY = "xtokspec_plain_steps"
@@ -45,6 +48,7 @@ class ProposerSettings:
     trim_size: int = 32768
     memory_mib: float = 1024
     prefill_chunk: int = 64
+    read_ids: int | None = None  # None: a new request's draft reads its whole text (READ_KEY)
     healing: bool = True
     plain_steps: bool = True
     adaptive: bool = True
@@ -82,12 +86,15 @@ class ProposerSettings:
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or mib <= 0:
             raise XTokSpecError(f"{MEMORY_KEY}: a positive number of MiB, got {mib!r}")
         idle = extra.get(IDLE_KEY, 4)
+        read_ids = extra.get(READ_KEY)
+        if read_ids is not None and (not is_int(read_ids) or read_ids < 8):
+            raise XTokSpecError(f"{READ_KEY}: a number of target ids, 8 or more (or None: all), got {read_ids!r}")
         if not is_int(idle) or idle < 0:
             raise XTokSpecError(f"{IDLE_KEY}: a number of calls, 0 or more, got {idle!r}")
         return cls(draft=str(draft), dtype=dtype, batched=bool(extra.get(BATCHED_KEY, True)),
                    graphs=None if extra.get(GRAPHS_KEY) is None else bool(extra[GRAPHS_KEY]), cache=cache, cache_len=cache_len,
                    trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, memory_mib=mib,
-                   prefill_chunk=chunk, healing=bool(extra.get(HEALING_KEY, True)),
+                   prefill_chunk=chunk, read_ids=read_ids, healing=bool(extra.get(HEALING_KEY, True)),
                    plain_steps=bool(extra.get(PLAIN_KEY, True)),
                    adaptive=bool(extra.get(ADAPTIVE_KEY, True)), idle_calls=idle)
 
