@@ -25,19 +25,19 @@ drafted, unless a request must first read its text: that starts it).
 
 A request whose draft must first read text (a new request's prompt, or what it committed while it did not draft:
 `Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the draft's other
-costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the reading is
-worth it over the steps the request will then draft. Those are not known ahead. A request can draft no longer than
-it runs, and one that has committed n ids is taken to run about n more (its age; at 8 requests most of a batch's new
+costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the reading is worth
+it over the steps the request will then draft. Those are not known ahead. A request can draft no longer than it
+runs, and one that has committed n ids is taken to run about n more (its age; at 8 requests most of a batch's new
 requests end within a few tokens, and reading them all at once cost 35-50 ms in one call, while those that have run
 long run on: `b8-steps/steps_start.py`, BENCHMARKS.md "vLLM"); nor longer than drafting goes on paying, which the
 runs of drafting steps that followed earlier readings measure (their mean over ~50 runs, ended by a new reading or
 by the request leaving; runs the policy chose no step of, a cold start's or a probe's, left out: they drafted
-because they were made to, and a policy that drew its runs' length from them would not start at all; before any
-run, the age alone: a reading that drafting stopped after two or three steps was charged over a long life, and
-never repaid: `b8-steps/output-why-real.txt`). So each step charges a request's
-reading over the lesser of the two (`life`): it drafts only where the tokens its proposal is expected to add are
-worth its positions and that share of the reading at the step's rate. A new request is read where one step repays
-it; where none would, it waits until it has lived longer or a probe reads it.
+because they were made to, and a policy that drew its runs' length from them would not start at all; before any run,
+the age alone: a reading that drafting stopped after two or three steps was charged over a long life, and never
+repaid: `b8-steps/output-why-real.txt`). So each step charges a request's reading over the lesser of the two
+(`life`): it drafts only where the tokens its proposal is expected to add are worth its positions and that share of
+the reading at the step's rate. A new request is read where one step repays it; where none would, it waits until it
+has lived longer or a probe reads it.
 
 That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
 Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
