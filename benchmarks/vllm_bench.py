@@ -29,8 +29,8 @@ to the target alone is resolved.
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
 `xtokspec_trim`, `xtokspec_gemma_trim`: the draft's head trimmed to 32,768 ids chosen from
 fixtures/data/heldout.txt (`xtokspec_draft_vocab_text`), without the prompts this run times or warms up on.
-`xtokspec_recent`, `xtokspec_gemma_trim_recent`: a new request's draft reads only the most recent `RECENT` target
-ids of its text (`xtokspec_draft_read`), not all of it.
+`xtokspec_gemma_trim_recent`: a new request's draft reads only the most recent `RECENT` target ids of its text
+(`xtokspec_draft_read`), not all of it (the fixtures' prompts are shorter than that).
 
 Rounds: each system's engine is built `--rounds` times, in alternating order (ABBA: round 2 builds them in
 reverse), so that a drift of the machine falls on every system alike. In each build: the process's first forwards
@@ -77,7 +77,7 @@ from common import cpu_name, lower_bound, write_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "fixtures" / "models"
-RECENT = 24  # target ids a new request's draft reads in the `_recent` systems (`xtokspec_draft_read`)
+RECENT = 24  # target ids a new request's draft reads in `xtokspec_gemma_trim_recent` (`xtokspec_draft_read`)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2",
        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -99,13 +99,13 @@ def preset(name: str, k: int) -> dict:
 
     def bridged(model: str, batched: bool = True, healing: bool = True, adaptive: bool = True,
                 calibration: str | None = None, recent: int | None = None) -> dict:
-        trim = {"xtokspec_draft_vocab_text": str(ROOT / "fixtures" / "data" / calibration)} if calibration else {}
+        extra = {"xtokspec_draft_vocab_text": str(ROOT / "fixtures" / "data" / calibration)} if calibration else {}
         if recent is not None:
-            trim["xtokspec_draft_read"] = recent
+            extra["xtokspec_draft_read"] = recent
         return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
                                        "num_speculative_tokens": k},
                 "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched,
-                                      "xtokspec_draft_healing": healing, "xtokspec_adaptive": adaptive, **trim}}
+                                      "xtokspec_draft_healing": healing, "xtokspec_adaptive": adaptive, **extra}}
 
     if name == "fixtures":
         return {"target": str(MODELS / "ja-target"), "dtype": "float32", "prompts": "prompts.txt", "systems": {
@@ -119,7 +119,6 @@ def preset(name: str, k: int) -> dict:
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
             "xtokspec_fixed": bridged(str(MODELS / "ja-draft-bpe"), adaptive=False),
             "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
-            "xtokspec_recent": bridged(str(MODELS / "ja-draft-bpe"), recent=RECENT),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
             "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",

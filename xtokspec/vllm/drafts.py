@@ -140,7 +140,7 @@ def recent_start(codec: TokenCodec, ids: Sequence[int], most: int, same_vocab: b
     if same_vocab:
         return start
     table = codec.token_bytes
-    while start < len(ids) and (not table[ids[start]] or 0x80 <= table[ids[start]][0] < 0xC0):
+    while start < len(ids) and (not table[ids[start]] or not is_char_boundary(table[ids[start]], 0)):
         start += 1
     return start
 

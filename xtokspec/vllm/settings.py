@@ -85,10 +85,10 @@ class ProposerSettings:
         mib = extra.get(MEMORY_KEY, 1024)
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or mib <= 0:
             raise XTokSpecError(f"{MEMORY_KEY}: a positive number of MiB, got {mib!r}")
-        idle = extra.get(IDLE_KEY, 4)
         read_ids = extra.get(READ_KEY)
         if read_ids is not None and (not is_int(read_ids) or read_ids < 8):
             raise XTokSpecError(f"{READ_KEY}: a number of target ids, 8 or more (or None: all), got {read_ids!r}")
+        idle = extra.get(IDLE_KEY, 4)
         if not is_int(idle) or idle < 0:
             raise XTokSpecError(f"{IDLE_KEY}: a number of calls, 0 or more, got {idle!r}")
         return cls(draft=str(draft), dtype=dtype, batched=bool(extra.get(BATCHED_KEY, True)),
