@@ -6,7 +6,7 @@ Ways (K drafted by every request at every step, so that the ways alone differ; t
 - `batched`: batched eager forwards over dynamic caches (the default without CUDA graphs);
 - `captured`: each request's steps replayed as CUDA graphs over its own static cache;
 - `chosen`: captured caches, each step the cheaper of batched forwards over them and each request's graphs, as
-  measured (`RowDraftLengths.way`; the default on a GPU where the caches fit).
+  measured (`StepCosts.way`; the default on a GPU where the caches fit).
 
 Per batch size: one wave of requests to warm up (graphs recorded, costs measured), then `--waves` timed waves of
 other prompts; proposals are compared with `batched`'s (float32: equal, or a near-tie where kernels differ).

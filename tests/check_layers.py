@@ -9,7 +9,7 @@ Inside a package, lowest first (a package's __init__ sits on top of its own modu
 
     text:     codec -> bridge, chat
     runtime:  kv, models -> compile -> cache
-    decode:   sampling, keyed, policy -> tree, measures, rows -> mapping, propose -> protocols, verify -> loop -> assemble
+    decode:   sampling, keyed, policy -> tree, measures, stepcosts, rows -> mapping, propose -> protocols, verify -> loop -> assemble
     vllm:     settings, memory, requests, batch, cpu_sampling -> drafts, build -> proposer
     distill:  data -> train, evaluate -> pipeline
     cli:      common, report, presets -> bench, distill_cmd -> main
@@ -32,7 +32,7 @@ PACKAGES = [
 MODULES = {
     "text": [("codec",), ("bridge", "chat")],
     "runtime": [("kv", "models"), ("compile",), ("cache",)],
-    "decode": [("sampling", "keyed", "policy"), ("tree", "measures", "rows"), ("mapping", "propose"), ("protocols", "verify"), ("loop",),
+    "decode": [("sampling", "keyed", "policy"), ("tree", "measures", "stepcosts", "rows"), ("mapping", "propose"), ("protocols", "verify"), ("loop",),
                ("assemble",)],
     "vllm": [("settings", "memory", "requests", "batch", "cpu_sampling"), ("drafts", "build"), ("proposer",)],
     "distill": [("data",), ("train", "evaluate"), ("pipeline",)],

@@ -92,7 +92,7 @@ def serve_step(policy, requests, rates, step, draft, rng, last_step, fixed=None,
     k, m = max(lengths), sum(x > 0 for x in lengths)
     draft_s = k * draft(m) if m else 0.0
     step_s = step(len(requests), sum(lengths))
-    policy.observe_call(len(requests), m, k, draft_s + 1e-4)
+    policy.costs.observe_call(len(requests), m, k, draft_s + 1e-4)
     policy.observe_time(len(requests), last_step, draft_s + 1e-4)
     accepted = []
     for rate, request, length in zip(rates, requests, lengths, strict=True):
@@ -246,18 +246,18 @@ def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmea
     policy = RowDraftLengths(3)
     both = ("batched", "alone")
     for _ in range(2):  # each size's first sample is held back
-        policy.observe_call(8, 2, 3, 3 * 0.003, batched=True)
-    assert policy.way([3, 3], both) == "alone"  # alone: not measured yet
+        policy.costs.observe_call(8, 2, 3, 3 * 0.003, batched=True)
+    assert policy.costs.way([3, 3], both) == "alone"  # alone: not measured yet
     for _ in range(2):
         for m, per_forward in ((2, 0.003), (8, 0.004)):
-            policy.observe_call(8, m, 3, 3 * per_forward, batched=True)
+            policy.costs.observe_call(8, m, 3, 3 * per_forward, batched=True)
         for m in (2, 8):
-            policy.observe_call(8, m, 3 * m, 3 * m * 0.001, batched=False)
-    assert policy.way([3, 3, 0, 0], both) == "alone"
-    assert policy.way([3] * 8, both) == "batched"
-    assert policy.way([3] * 8, ("batched",)) == "batched" and policy.way([3] * 8, ("alone",)) == "alone"
-    assert policy.way([3, 0], both) == "alone"
-    assert policy.forward_cost(8, 3, 24, both) == pytest.approx((0.012, "batched"))
+            policy.costs.observe_call(8, m, 3 * m, 3 * m * 0.001, batched=False)
+    assert policy.costs.way([3, 3, 0, 0], both) == "alone"
+    assert policy.costs.way([3] * 8, both) == "batched"
+    assert policy.costs.way([3] * 8, ("batched",)) == "batched" and policy.costs.way([3] * 8, ("alone",)) == "alone"
+    assert policy.costs.way([3, 0], both) == "alone"
+    assert policy.costs.forward(8, 3, 24, both) == pytest.approx((0.012, "batched"))
 
 
 def near_the_margin(read: bool = False) -> RowDraftLengths:
@@ -267,10 +267,10 @@ def near_the_margin(read: bool = False) -> RowDraftLengths:
     for _ in range(4):
         policy.observe_step(1, 0, 0.025)
         policy.observe_step(1, 1, 0.026)
-        policy.observe_call(1, 0, 0, 1e-4)
-        policy.observe_call(1, 1, 1, 1e-4 + 0.003)
+        policy.costs.observe_call(1, 0, 0, 1e-4)
+        policy.costs.observe_call(1, 1, 1, 1e-4 + 0.003)
         if read:
-            policy.observe_read(40, 0.0004)
+            policy.costs.observe_read(40, 0.0004)
     policy.alone_run = 1000
     return policy
 
@@ -352,8 +352,8 @@ def test_where_the_measurement_stops_drafting_the_choice_is_costed_every_few_ste
         rng, requests = random.Random(3), [Acceptance(successes=7.0, failures=3.0) for _ in range(8)]
         costed, probes, ahead = [], [], 0
         assert policy.measured[8].drafting_loses(8)  # what stops drafting here
-        may_pay = policy._may_pay
-        policy._may_pay = lambda *args: costed.append(1) or may_pay(*args)
+        may_pay = policy.costs.may_pay
+        policy.costs.may_pay = lambda *args: costed.append(1) or may_pay(*args)
         last = None
         for _ in range(400):
             if clear:
@@ -473,16 +473,16 @@ def test_the_bound_that_skips_costing_the_choices_never_skips_a_choice_that_pays
             n = rng.randint(1, rows)
             a = [rng.uniform(0.0, 0.95) for _ in range(n)]
             start = [rng.choice([0.0, rng.uniform(0.0, 0.01)]) for _ in range(n)]  # reading only adds cost
-            base = policy.step_cost(rows, 0)
+            base = policy.costs.step(rows, 0)
             for ways in (("batched",), ("alone",), ("batched", "alone")):
                 for slowest in (False, True):
-                    if policy._may_pay(a, rows, base, ways, slowest):
+                    if policy.costs.may_pay(a, rows, base, ways, slowest):
                         continue
                     skipped[slowest] += 1
                     for k in range(1, 4):
-                        rates = [policy._slowest_at(k, a, rows, base, ways, start)[1]]
+                        rates = [policy.costs.slowest_at(k, a, rows, base, ways, start)[1]]
                         if not slowest:
-                            rates.append(policy._best_at(k, a, rows, base, rows / base, ways, start)[1])
+                            rates.append(policy.costs.best_at(k, a, rows, base, rows / base, ways, start)[1])
                         assert max(rates) <= rows / base * (1 + 1e-9), (trial, k, a, ways, slowest)
     assert skipped[False] > 200 and skipped[True] > skipped[False], skipped
 
@@ -494,8 +494,8 @@ def test_where_nothing_pays_the_choice_is_costed_again_every_few_steps_not_at_ea
     policy = RowDraftLengths(3)
     Server(*POOR_DRAFT).run(policy, 300)
     costed = []
-    may_pay = policy._may_pay
-    policy._may_pay = lambda *args: costed.append(1) or may_pay(*args)
+    may_pay = policy.costs.may_pay
+    policy.costs.may_pay = lambda *args: costed.append(1) or may_pay(*args)
     poor = [Acceptance(successes=0.0, failures=30.0)]
     probes = policy.probes
     for _ in range(40):
@@ -559,7 +559,7 @@ def reading_server() -> RowDraftLengths:
     step, draft = (lambda b, p: 0.021 + 0.0015 * b + 0.0010 * p), (lambda m: 0.002 + 0.0003 * m)
     assert Server([0.6] * 8, step, draft).run(policy, 400)["drafting"] > 0.9
     for _ in range(4):
-        policy.observe_read(40, 0.006)
+        policy.costs.observe_read(40, 0.006)
     policy.since_alone = policy.since_draft = policy.quiet_left = 0
     return policy
 
@@ -578,7 +578,7 @@ def test_a_request_whose_draft_must_first_read_its_text_drafts_only_where_one_st
     alone = RowDraftLengths(3)
     Server(*CHEAP_POSITIONS).run(alone, 200)
     for _ in range(4):
-        alone.observe_read(40, 0.006)
+        alone.costs.observe_read(40, 0.006)
     alone.since_alone = alone.since_draft = 0
     assert alone.lengths([Acceptance(unread=40)], 1)[0] > 0
     assert alone.startup(Acceptance(unread=4)) == 0.0  # what a drafting request reads each step: no extra cost
@@ -647,13 +647,13 @@ def test_readings_of_prompts_of_different_lengths_are_measured():
     length's first sample held back (as for a server's step shapes), never measures one and reads them all."""
     for each_size, read in ((False, False), (True, True)):
         policy = reading_server()
-        policy.read = LinearCosts(1, each_size=each_size)
+        policy.costs.read = LinearCosts(1, each_size=each_size)
         for ids in (31, 37, 44, 52):
-            policy.observe_read(ids, 0.00015 * ids)
+            policy.costs.observe_read(ids, 0.00015 * ids)
         policy.since_alone = policy.since_draft = policy.quiet_left = 0
         lengths = policy.lengths([Acceptance(unread=40) for _ in range(8)], 8)
         assert all(lengths) if read else lengths == [0] * 8, (each_size, lengths)
-    assert RowDraftLengths(3).read.each_size is False
+    assert RowDraftLengths(3).costs.read.each_size is False
 
 
 def test_control_with_the_reading_left_out_new_requests_draft_at_a_loss(monkeypatch):

@@ -608,7 +608,7 @@ def test_a_step_by_step_choice_of_drafting_way_proposes_what_either_way_does(ja_
     runs = [Engine(model, proposer, prompts, 24) for proposer in (chooser, fixed)]
     assert runs[0].run() == runs[1].run()
     assert runs[0].proposals == runs[1].proposals
-    assert chooser.policy.draft.times and chooser.policy.draft_alone.seen(lambda size: size[0] > 1)
+    assert chooser.policy.costs.draft.times and chooser.policy.costs.draft_alone.seen(lambda size: size[0] > 1)
     assert chooser.stats.batched_forwards > 0
 
 
@@ -640,7 +640,7 @@ def test_recording_graphs_is_not_charged_to_the_way_that_recorded(ja_target, hel
         monkeypatch.setattr(xtokspec.vllm.drafts.RequestDraft, "propose", recording_propose)
         monkeypatch.setattr(chooser, "recording_seconds", lambda: recorded[0] if deduct else 0.0)
         Engine(model, chooser, prompts, 16).run()
-        samples = [t for times in chooser.policy.draft_alone.times.values() for t in times]
+        samples = [t for times in chooser.policy.costs.draft_alone.times.values() for t in times]
         assert samples
         return max(samples)
 

@@ -144,7 +144,7 @@ def test_a_request_builds_its_draft_when_it_first_drafts(ja_target, heldout_prom
     assert unread[1][3] == len(prompts[1]) + 4  # three quiet steps more
     assert unread[2] == list(range(len(prompts[2]) + 1, len(prompts[2]) + 1 + len(unread[2])))  # never read
     assert proposer.policy.ages[2] == list(range(1, 1 + len(unread[2])))  # one committed id a step
-    read = proposer.policy.read
+    read = proposer.policy.costs.read
     assert {(unread[0][0],), (unread[1][3],)} <= set(read.held) | set(read.times)
 
 
@@ -160,7 +160,7 @@ def test_the_adaptive_proposer_leaves_the_output_the_targets(ja_target, heldout_
     for n, prompt in enumerate(prompts):
         assert out[n] == greedy(model, prompt, 32), n
     assert 0 < proposer.stats.drafting_rows <= proposer.stats.rows
-    assert proposer.policy.steps > 0 and proposer.policy.drafted > 0
+    assert proposer.policy.steps > 0 and proposer.policy.costs.drafted > 0
 
 
 def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_are_found_again(
@@ -171,7 +171,7 @@ def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_a
     model, tokenizer = ja_target
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
     proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
-    monkeypatch.setattr(proposer.policy, "_may_pay", lambda *args, **kwargs: False)
+    monkeypatch.setattr(proposer.policy.costs, "may_pay", lambda *args, **kwargs: False)
     monkeypatch.setattr(proposer.policy, "PROBE_BUDGET", 1.0)  # probes on their schedule, whatever they cost
     out = Engine(model, proposer, prompts, 48).run()
     for n, prompt in enumerate(prompts):

@@ -1,30 +1,15 @@
 """Draft lengths for requests served together (xtokspec's vLLM proposer): per request and per step, how many
 tokens to draft, none included, from measured costs and each request's measured acceptance.
 
-A server's step verifies every running request at once. Its time is the target's forward over all scheduled
-positions (each request's next token plus its proposals), after the draft's forwards, batched over the requests
-that draft (one forward per drafted position). With per-token acceptance a_i, K_i proposals commit
-`expected_tokens(a_i, K_i)` tokens on average for request i, and the step commits the sum. The policy chooses
-the K_i that maximise committed tokens per second:
-
-    rate = sum_i expected_tokens(a_i, K_i) / (target(B, sum_i K_i) + k * draft(m))
-
-with B the requests in the step, m the requests that draft, k = max K_i, target(B, p) the measured seconds of a
-step of B requests that verified p proposals, and draft(m) the measured seconds per draft forward over m
-requests (all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests'
-caches). Where the requests may also draft one at a time (each its own forwards, as captured CUDA graphs replay
-them), the step costs the cheaper of k * draft(m) and sum_i K_i * alone(m), alone(m) the measured seconds of one
-request's forward while m draft so; the proposer drafts that way. A step's cost has a slope per request and one
-per proposal: a server's costs per request (scheduling, sampling, the output) and per proposal differ, and a step
-of 8 requests is not one of 2 requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose
-last one is worth its target position at the step's rate: a_i^j * rate >= the target's seconds per extra
-position. k = 0, no draft at all, is one of the choices: where extra positions cost more than they return (a large
-batch, a poor draft), nothing is drafted; and where drafting is predicted less than `MARGIN` (5%) ahead of the
-target alone, within what the model misses, drafting does not start (it goes on below it while it has just
-drafted, unless a request must first read its text: that starts it).
+Each step the policy chooses the lengths that maximise the committed tokens per second that a model of the step's
+measured costs predicts at each request's acceptance rate (`stepcosts.StepCosts`: the rate, the slowest request's
+pace where no request waits for a slot, the costs' fit and the bound that skips most costing). k = 0, no draft at
+all, is one of the choices; where drafting is predicted less than `MARGIN` (5%) ahead of the target alone, within
+what the model misses, drafting does not start (it goes on below it while it has just drafted, unless a request
+must first read its text: that starts it). What the policy learns over the steps: below.
 
 A request whose draft must first read text (a new request's prompt, or what it committed while it did not draft:
-`Acceptance.unread`) pays that reading when it starts drafting, `read(ids)` seconds measured as the draft's other
+`Acceptance.unread`) pays that reading when it starts drafting, `StepCosts.read` seconds measured as the draft's other
 costs are (from the first reading on, whatever its length: prompts' lengths rarely repeat), and the reading is worth
 it over the steps the request will then draft. Those are not known ahead. A request can draft no longer than it
 runs, and one that has committed n ids is taken to run about n more (its age; at 8 requests most of a batch's new
@@ -39,34 +24,18 @@ repaid: `b8-steps/output-why-real.txt`). So each step charges a request's readin
 the reading at the step's rate. A new request is read where one step repays it; where none would, it waits until it
 has lived longer or a probe reads it.
 
-That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
-Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
-would have admitted it; or at the limit where a request that left was not replaced at the next step, as when a
-batch arrived together: `vllm.requests.Queue`) a request that ends sooner frees a slot nobody takes: the requests
-running end when the slowest of them does, and a step's fixed cost, most of it at a few requests, is paid until
-then. Drafting for some requests only then ends them apart and leaves steps of one or two requests at the end,
-where the target alone would have run them together (BENCHMARKS.md, "vLLM", batch 8). So there the policy
-chooses the pace of the slowest request instead, `rows * min_i expected_tokens(a_i, K_i)` per second: every
-request drafts or none does, the one accepted least drafts k and each other the fewest ids that keep its pace,
-and drafting is chosen only where it makes every request faster than the target alone would (no request is
-slowed by another's drafts). With one request both rates are the same.
-
-The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
-and fitted as a plane (a line) through the sizes' medians, each weighted by its samples: a server's steps come at
-many sizes with few samples each, noisy one by one, and samples kept per size keep a slope measured however
-long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes seen cannot show is
-taken as 0 (optimism: drafting is tried, then measured). Acceptance is learned per request from
-what vLLM accepted of its last proposal. A request starts from the rate pooled over earlier requests' proposals
-made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ... committed ids; a band leans on the rate pooled
-over all ages until it has its own evidence): how well a draft follows depends on where in its text a request is,
-and a batch's new requests are accepted far less than the long answers that make most of the proposals (at 4-8
-requests on the fixtures, a rate pooled over all ages predicted 1.5-2x the tokens realized:
-`b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to its age's pooled rate (its
-own evidence fades), so it is tried again. While nothing is drafted, one request in one step in `alone_run` drafts
-(a probe, on `policy.Fallback`'s schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a
-probe costs more than 0.5% of the steps between probes; the request that has waited longest; and only while the
-probes so far and one more, at the last one's cost, stay within 0.5% of the time served); while drafting pays, one
-step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
+Acceptance is learned per request from what vLLM accepted of its last proposal. A request starts from the rate
+pooled over earlier requests' proposals made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ...
+committed ids; a band leans on the rate pooled over all ages until it has its own evidence): how well a draft
+follows depends on where in its text a request is, and a batch's new requests are accepted far less than the long
+answers that make most of the proposals (at 4-8 requests on the fixtures, a rate pooled over all ages predicted
+1.5-2x the tokens realized: `b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to
+its age's pooled rate (its own evidence fades), so it is tried again. While nothing is drafted, one request in one
+step in `alone_run` drafts (a probe, on `policy.Fallback`'s schedule: 2 steps, doubled after each probe that loses,
+up to 16, or more where a probe costs more than 0.5% of the steps between probes; the request that has waited
+longest; and only while the probes so far and one more, at the last one's cost, stay within 0.5% of the time
+served); while drafting pays, one step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost
+without proposals stays measured.
 
 Where nothing is chosen to draft at a size (by the model, its margin, or the measurement below), the choice is
 costed again every `RECHECK` steps at that size, not at each: without proposals nothing it learns can change it
@@ -90,8 +59,9 @@ import math
 from collections.abc import Sequence
 
 from ..types import expected_tokens
-from .measures import UNMEASURED, Acceptance, LinearCosts, Measured, outcome
+from .measures import UNMEASURED, Acceptance, Measured, outcome
 from .policy import DECAY, WARM_CYCLES, Fallback
+from .stepcosts import StepCosts
 
 
 def age_band(age: int) -> int:
@@ -119,18 +89,11 @@ class RowDraftLengths:
 
     def __init__(self, cap: int, adaptive: bool = True):
         self.cap, self.adaptive = cap, adaptive
-        self.target = LinearCosts(2)  # a step's seconds, by (requests, proposals verified)
-        self.quiet = LinearCosts(1)  # a call that drafted nothing, by requests in it
-        self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
-        # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
-        self.draft_alone = LinearCosts(1)
-        # a request's draft reading the ids it has not read, by those ids: prompts' lengths rarely repeat
-        self.read = LinearCosts(1, each_size=False)
+        self.costs = StepCosts(cap)  # the measured costs, and the lengths that pay at given rates
         self.runs = self.run_steps = 0.0  # the drafting runs that followed a reading: decayed count and steps
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.by_age: dict[int, Acceptance] = {}  # pooled over requests' proposals by their age (`age_band`)
         self.steps = 0  # steps whose time was measured
-        self.drafted = 0  # drafting calls whose cost was measured
         self.since_draft = 0  # steps since the last one that drafted
         self.since_alone = 0  # drafting steps since the last one that drafted nothing
         self.alone_run = Fallback.PROBE_DRAFT_FIRST
@@ -157,7 +120,7 @@ class RowDraftLengths:
         `tokens` (None: not known)."""
         if rows <= 0:
             return
-        counted = self.target.observe((rows, proposals), seconds)
+        counted = self.costs.target.observe((rows, proposals), seconds)
         self.steps += 1
         # NOTE: the arms count the steps that ran what was chosen: drafting that proposed, the target alone; not
         # a size's first step, whose one-time costs LinearCosts holds back too
@@ -166,29 +129,13 @@ class RowDraftLengths:
         if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
             self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
 
-    def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
-        """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
-        (`batched`: forwards over all of them at once; else each request's own), took `seconds` (no prefill in
-        it)."""
-        if not drafting or not forwards:
-            self.quiet.observe((rows,), seconds)
-            return
-        costs = self.draft if batched and drafting > 1 else self.draft_alone
-        costs.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
-        self.drafted += 1
-
-    def observe_read(self, ids: int, seconds: float) -> None:
-        """A request's draft read `ids` target ids it had not read (built from them, or caught up) in `seconds`."""
-        if ids > self.cap + 1:
-            self.read.observe((ids,), seconds)
-
     def startup(self, request: Acceptance) -> float:
         """What a request's next proposal costs before its draft forwards, per step it can expect to draft:
         reading its unread ids (where they are more than a drafting request reads each step, its accepted
         proposals and one more, read with its draft forwards), over its `life`."""
         if request.unread <= self.cap + 1:
             return 0.0
-        return self.read(request.unread) / self.life(request)
+        return self.costs.read(request.unread) / self.life(request)
 
     def life(self, request: Acceptance) -> float:
         """The steps a request that reads now is expected to draft: its age in committed ids (one that has lived
@@ -219,7 +166,7 @@ class RowDraftLengths:
         if interval is not None:
             self.elapsed += interval
             if self.probed_before:  # the step verified the last call's probe
-                extra = max(0.0, interval - self.step_cost(rows, 0))
+                extra = max(0.0, interval - self.costs.step(rows, 0))
                 self.probe_spent += extra
                 self.last_probe += extra
         self.elapsed += call
@@ -228,10 +175,6 @@ class RowDraftLengths:
             self.probe_spent += call
             self.last_probe = call
         self.probed_before = self.probed
-
-    def step_cost(self, rows: int, proposals: int) -> float:
-        """target_B(p), from the plane fitted to the steps measured."""
-        return self.target(rows, proposals)
 
     def observe_proposal(self, request: Acceptance, proposed: Sequence[int], new: Sequence[int]) -> int:
         """A request's last proposal against the ids vLLM committed for it next -> the proposals accepted."""
@@ -269,23 +212,6 @@ class RowDraftLengths:
             priors[band] = seen.rate(pooled, self.BAND_WEIGHT)
         return [min(r.rate(priors.get(age_band(r.age), pooled), self.PRIOR_WEIGHT), 0.999) for r in requests]
 
-    def forward_cost(self, drafting: int, k: int, ids: int, ways: tuple[str, ...] = ("batched",)) -> tuple[float, str]:
-        """The draft's seconds beyond a quiet call when `drafting` requests draft `ids` ids, at most k each, and
-        the cheaper of `ways`: "batched" (k forwards over all of them at once) or "alone" (each request's own
-        forwards, `ids` in all). One request drafts alone. A way not measured yet costs 0 (optimism: it is
-        tried, then measured)."""
-        if drafting <= 1 or "batched" not in ways:
-            return ids * self.draft_alone(max(drafting, 1)), "alone"
-        batched = k * self.draft(drafting)
-        if "alone" not in ways:
-            return batched, "batched"
-        alone = ids * self.draft_alone(drafting)
-        return (alone, "alone") if alone < batched else (batched, "batched")
-
-    def way(self, lengths: Sequence[int], ways: tuple[str, ...]) -> str:
-        """How the chosen `lengths` are drafted this step: the cheaper of `ways` (forward_cost)."""
-        return self.forward_cost(sum(x > 0 for x in lengths), max(lengths, default=0), sum(lengths), ways)[1]
-
     def lengths(self, requests: Sequence[Acceptance], rows: int, ways: tuple[str, ...] = ("batched",),
                 full: bool = True) -> list[int]:
         """K_i for each request that may draft (`requests`; `rows`: all requests in the next step, those that
@@ -296,11 +222,11 @@ class RowDraftLengths:
         self.probed, self.chose = False, "none"
         if not self.adaptive or not n:
             return [self.cap] * n
-        if self.steps < WARM_CYCLES or self.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
+        if self.steps < WARM_CYCLES or self.costs.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
             return self._drafting([1] * n, requests, "cold")
         rows = max(rows, n)
         if not self.alone_seen:
-            self.alone_seen = self.target.seen(lambda size: size[1] == 0)
+            self.alone_seen = self.costs.target.seen(lambda size: size[1] == 0)
         if not self.alone_seen or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
         # NOTE: where the model chose no drafting at this size, nothing it learns from the steps that follow
@@ -312,17 +238,17 @@ class RowDraftLengths:
             self.quiet_left -= 1
             return self._nothing_pays(n, requests)
         a = self.rates(requests)
-        base = self.step_cost(rows, 0)
+        base = self.costs.step(rows, 0)
         alone = rows / max(base, 1e-9)
         best, best_rate = [0] * n, alone
         slowest = not full and rows > 1  # one request: its rate is the step's
         # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
         # (the bound holds whatever the readings cost: they only add)
-        pays = self._may_pay(a, rows, base, ways, slowest)
+        pays = self.costs.may_pay(a, rows, base, ways, slowest)
         start = [self.startup(r) for r in requests] if pays else []
         for k in range(1, self.cap + 1) if pays else ():
-            lengths, rate, _ = self._slowest_at(k, a, rows, base, ways, start) if slowest else \
-                self._best_at(k, a, rows, base, best_rate, ways, start)
+            lengths, rate, _ = self.costs.slowest_at(k, a, rows, base, ways, start) if slowest else \
+                self.costs.best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
                 best, best_rate = lengths, rate
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
@@ -375,87 +301,6 @@ class RowDraftLengths:
         return self.since_draft >= self.alone_run and \
             self.probe_spent + self.last_probe <= self.PROBE_BUDGET * self.elapsed
 
-    def _best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
-                 ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
-        """The lengths at most k, each request's chosen at `rate` (tokens per second; `start`: each request's
-        reading before it drafts) -> (lengths, their rate, their seconds); twice, the second time at the rate the
-        first choice gives."""
-        top = self.step_cost(rows, k * len(a))
-        slope = max(0.0, (top - base) / (k * len(a)))
-        last = None
-        for _ in range(2):
-            lengths = [self._length(ai, k, rate, slope, si) for ai, si in zip(a, start, strict=True)]
-            if lengths == last:
-                break  # the same choice again: the same rate
-            drafting = sum(x > 0 for x in lengths)
-            if not drafting:
-                return lengths, 0.0, base
-            cost = self.step_cost(rows, sum(lengths)) + self.forward_cost(drafting, k, sum(lengths), ways)[0] \
-                + sum(si for si, x in zip(start, lengths, strict=True) if x)
-            tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
-            rate = tokens / max(cost, 1e-9)
-            last = lengths
-        return lengths, rate, cost
-
-    def _may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...], slowest: bool = False) -> bool:
-        """False where no lengths can beat the target alone, by a bound on every choice's rate: S ids drafted
-        commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
-        the step's slope per proposal and the draft's least seconds per id (one request alone at 1 request,
-        batched ones k forwards over m requests for at most m * k ids, the line's least per request at m = 2 or
-        m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
-        (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)
-        `slowest`: the slowest request's pace, whose lengths are at most k for it and at least 1 for the n - 1
-        others, so S >= k + n - 1 ids buy a pace of at most 1 + k min(a): none pays where base k min(a) <=
-        (k + n - 1)(slope + least), checked at k = cap (the ratio k / (k + n - 1) grows with k)."""
-        if base <= 0.0:
-            return True
-        least = self.draft_alone(1)
-        n = len(a)
-        if n > 1 and "batched" in ways:
-            least = min(least, self.draft(2) / 2, self.draft(n) / n)
-        slope = self.step_cost(rows, 1) - base
-        if slowest:
-            if rows > n:
-                return False  # a request that cannot draft holds the pace at one token a step
-            if min(a) * base * self.cap < (self.cap + n - 1) * (slope + least) * (1 - 1e-9):
-                return False
-        return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
-
-    def _slowest_at(self, k: int, a: list[float], rows: int, base: float,
-                    ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
-        """Lengths at most k where the slowest request sets the pace -> (lengths, `rows` times its tokens per
-        second, their seconds): the request accepted least drafts k, every other the fewest whose expected tokens
-        reach its (more would cost positions and keep no request ahead of it)."""
-        if rows > len(a):  # a request that cannot draft commits one token a step, however the others draft
-            return [0] * len(a), 0.0, base
-        pace = expected_tokens(min(a), k)
-        lengths = []
-        for ai in a:  # NOTE: expected tokens summed position by position: a dozen calls fewer per request
-            j, worth, tokens = 1, ai, 1.0 + ai
-            while j < k and tokens < pace:
-                worth *= ai
-                tokens += worth
-                j += 1
-            lengths.append(j)
-        ids = sum(lengths)
-        cost = self.step_cost(rows, ids) + self.forward_cost(len(a), k, ids, ways)[0] + sum(start)
-        return lengths, rows * pace / max(cost, 1e-9), cost
-
-    @staticmethod
-    def _length(a: float, k: int, rate: float, slope: float, start: float = 0.0) -> int:
-        """The most j <= k whose j-th position is worth its seconds at `rate`: a^j tokens >= rate * slope (an
-        earlier position is worth more); 0 where the j positions' tokens, a + ... + a^j, are not worth their
-        seconds and the reading before them (`start`) at that rate."""
-        if rate <= 0:
-            return k
-        j, worth, tokens = 0, 1.0, 0.0
-        while j < k and worth * a >= rate * slope:
-            j, worth = j + 1, worth * a
-            tokens += worth
-        if start > 0 and tokens < rate * (j * slope + start):
-            return 0
-        return j
-
     def _probe_cap(self, a: list[float], rows: int, base: float, blocked: list[int] | None = None) -> int:
         """The longest run of steps without drafting between probes: PROBE_DRAFT_MAX, or more where a probe's
         extra seconds (its cost minus what the target alone takes for the tokens it commits; measured where the
@@ -466,7 +311,7 @@ class RowDraftLengths:
             extra = measured.drafting.extra(measured.per_token_alone(rows))
         else:
             best = max(range(len(a)), key=a.__getitem__)
-            cost = self.step_cost(rows, self.cap) + self.forward_cost(1, self.cap, self.cap)[0]
+            cost = self.costs.step(rows, self.cap) + self.costs.forward(1, self.cap, self.cap)[0]
             tokens = rows - 1 + expected_tokens(a[best], self.cap)
             extra = cost - base * tokens / rows
         need = math.ceil(round(extra / (self.PROBE_BUDGET * max(base, 1e-9)), 6))

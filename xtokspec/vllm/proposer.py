@@ -235,8 +235,9 @@ class TextBridgeProposer:
         if not prefilled and decode_only and not (together and alone):
             # NOTE: less the seconds spent recording CUDA graphs (a new cache's first steps of each length): charged
             # to the way that recorded them, they would keep it from being chosen again and measured as it replays
-            self.policy.observe_call(live, together or alone, k if together else forwards,
-                                     end - call_start - (self.recording_seconds() - recorded), batched=bool(together))
+            seconds = end - call_start - (self.recording_seconds() - recorded)
+            self.policy.costs.observe_call(live, together or alone, k if together else forwards, seconds,
+                                           batched=bool(together))
         self.stats.evicted += self.memory.enforce(self.table, self.kept)
         self._end_call(call_start, interval, quiet=not any(lengths))
         self._last_step = live, sum(len(ids) for ids in out)
@@ -269,7 +270,7 @@ class TextBridgeProposer:
         ones' forwards, the batch's k). `t0`: when the call's own work began (stats.other_s runs from it)."""
         stats = self.stats
         k = max(lengths, default=0)
-        batch_now = self.policy.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
+        batch_now = self.policy.costs.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
         together: list[tuple[int, Entry, int, tuple | None]] = []  # (row, entry, room, healing's candidate)
         alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
         prefills, prefilled = 0.0, False  # seconds of prefills run alone; whether any ran (a chunk included)
@@ -405,7 +406,7 @@ class TextBridgeProposer:
         request = entry.payload
         unread, t0 = request.unread, time.perf_counter()
         prepared = self._ready(request, k, room, batch)
-        self.policy.observe_read(unread, time.perf_counter() - t0)  # what the reading cost (decode.rows)
+        self.policy.costs.observe_read(unread, time.perf_counter() - t0)  # what the reading cost (decode.stepcosts)
         return prepared
 
     def _ready(self, request: RequestDraft, k: int, room: int,

@@ -1,7 +1,7 @@
 """Why the proposer drafts or not at each call, and whether its model's predictions came true (a diagnostic,
 0fad9a2's proposer): the fixture pair on one engine with xtokspec's proposer, batch 1 and 4 served as
 vllm_bench.py does, then batch 8 twice. Each policy call is logged with the requests' rates, the fitted costs,
-each request's reading charge, whether the bound `_may_pay` let it be costed, the model's best rate over the
+each request's reading charge, whether the bound `may_pay` let it be costed, the model's best rate over the
 target alone's, and the measured arms at that size (`drafting_loses`); each step and call with their seconds
 (`why.json.gz`). `summary()` pairs each call's choice with its call's seconds and the next step's, by requests in a
 step: predicted against realized seconds and tokens for drafting calls, the fitted step against the realized one
@@ -39,21 +39,21 @@ def record(log: list) -> None:
 
     def chosen(self, requests, rows, ways=("batched",), full=True):
         n, info = len(requests), {}
-        info["qc"] = self.quiet(max(rows, n))
-        if self.adaptive and n and self.steps >= 4 and self.drafted >= 4:
+        info["qc"] = self.costs.quiet(max(rows, n))
+        if self.adaptive and n and self.steps >= 4 and self.costs.drafted >= 4:
             r = max(rows, n)
-            a, base = self.rates(requests), self.step_cost(r, 0)
+            a, base = self.rates(requests), self.costs.step(r, 0)
             slowest, start = not full and r > 1, [self.startup(q) for q in requests]
             best_rate, alone, best_cost = 0.0, r / max(base, 1e-9), base
             for k in range(1, self.cap + 1):
-                out = self._slowest_at(k, a, r, base, ways, start) if slowest else \
-                    self._best_at(k, a, r, base, alone, ways, start)
+                out = self.costs.slowest_at(k, a, r, base, ways, start) if slowest else \
+                    self.costs.best_at(k, a, r, base, alone, ways, start)
                 if out[1] > best_rate:
                     best_rate, best_cost = out[1], out[2]
             measured = self.measured.get(r, UNMEASURED)
             info.update(a=[round(x, 3) for x in a], base=base * 1e3, cost=best_cost * 1e3,
                         start=[round(s * 1e3, 2) for s in start], unread=[q.unread for q in requests],
-                        pays=self._may_pay(a, r, base, ways, slowest), model=round(best_rate / alone, 3),
+                        pays=self.costs.may_pay(a, r, base, ways, slowest), model=round(best_rate / alone, 3),
                         loses=measured.drafting_loses(r))
         out = lengths(self, requests, rows, ways, full)
         log.append(dict(rows=rows, n=n, out=out, chose=self.chose, probed=self.probed, **info))

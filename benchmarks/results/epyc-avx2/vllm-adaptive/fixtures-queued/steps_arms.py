@@ -21,8 +21,8 @@ def arms_view(policy, rows: int) -> tuple:
     m = policy.measured.get(rows)
     arms = None if m is None else (len(m.alone), sorted(m.alone)[len(m.alone) // 2] if m.alone else None,
                                    m.drafting.tokens, m.drafting.seconds, m.drafting.cycles, m.drafting_loses(rows))
-    model = (policy.step_cost(rows, 0), policy.step_cost(rows, rows), policy.step_cost(rows, 2 * rows),
-             policy.draft(rows), policy.quiet(rows), policy.pool.rate(0.5, 0.0))
+    model = (policy.costs.step(rows, 0), policy.costs.step(rows, rows), policy.costs.step(rows, 2 * rows),
+             policy.costs.draft(rows), policy.costs.quiet(rows), policy.pool.rate(0.5, 0.0))
     return arms, model
 
 

@@ -1,0 +1,185 @@
+"""What a server's step costs, measured, and which draft lengths pay at given acceptance rates: the cost model of
+the draft lengths of requests served together (`rows.RowDraftLengths`, which learns the rates and chooses when).
+
+A server's step verifies every running request at once. Its time is the target's forward over all scheduled
+positions (each request's next token plus its proposals), after the draft's forwards, batched over the requests
+that draft (one forward per drafted position). With per-token acceptance a_i, K_i proposals commit
+`expected_tokens(a_i, K_i)` tokens on average for request i, and the step commits the sum. The lengths chosen are
+the K_i that maximise committed tokens per second:
+
+    rate = sum_i expected_tokens(a_i, K_i) / (target(B, sum_i K_i) + k * draft(m) + readings)
+
+with B the requests in the step, m the requests that draft, k = max K_i, target(B, p) the measured seconds of a
+step of B requests that verified p proposals, draft(m) the measured seconds per draft forward over m requests
+(all that a call that drafts costs beyond one that does not: drafting, bridging, readying the requests' caches),
+and each drafting request's share of its draft's reading of its text (`rows`: `startup`). Where the requests may
+also draft one at a time (each its own forwards, as captured CUDA graphs replay them), the step costs the cheaper
+of k * draft(m) and sum_i K_i * alone(m), alone(m) the measured seconds of one request's forward while m draft
+so; the proposer drafts that way. A step's cost has a slope per request and one per proposal: a server's costs
+per request (scheduling, sampling, the output) and per proposal differ, and a step of 8 requests is not one of 2
+requests with 6 proposals. For each k, request i drafts the most j <= k tokens whose last one is worth its target
+position at the step's rate: a_i^j * rate >= the target's seconds per extra position. k = 0, no draft at all, is
+one of the choices: where extra positions cost more than they return (a large batch, a poor draft), nothing is
+drafted.
+
+That rate is a full server's: while requests wait for a slot, a request that ends sooner lets the next one in.
+Where no request waits (below the server's limit of running requests, vLLM's `max_num_seqs`, where the scheduler
+would have admitted it; or at the limit where a request that left was not replaced at the next step, as when a
+batch arrived together: `vllm.requests.Queue`) a request that ends sooner frees a slot nobody takes: the requests
+running end when the slowest of them does, and a step's fixed cost, most of it at a few requests, is paid until
+then. Drafting for some requests only then ends them apart and leaves steps of one or two requests at the end,
+where the target alone would have run them together (BENCHMARKS.md, "vLLM", batch 8). So there the pace of the
+slowest request is chosen instead, `rows * min_i expected_tokens(a_i, K_i)` per second (`slowest_at`): every
+request drafts or none does, the one accepted least drafts k and each other the fewest ids that keep its pace,
+and drafting is chosen only where it makes every request faster than the target alone would (no request is
+slowed by another's drafts). With one request both rates are the same.
+
+The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
+and fitted as a plane (a line) through the sizes' medians, each weighted by its samples (`measures.LinearCosts`):
+a server's steps come at many sizes with few samples each, noisy one by one, and samples kept per size keep a
+slope measured however long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes
+seen cannot show is taken as 0 (optimism: drafting is tried, then measured). Most calls where drafting does not
+pay end at a bound (`may_pay`), before any lengths are costed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..types import expected_tokens
+from .measures import LinearCosts
+
+
+class StepCosts:
+    """A server step's measured costs (the target's, the proposer's calls, the draft's forwards and readings) and
+    the lengths that pay at given per-token acceptance rates (this module's docstring). The rates and the
+    readings' charges are the caller's."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.target = LinearCosts(2)  # a step's seconds, by (requests, proposals verified)
+        self.quiet = LinearCosts(1)  # a call that drafted nothing, by requests in it
+        self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
+        # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
+        self.draft_alone = LinearCosts(1)
+        # a request's draft reading the ids it has not read, by those ids: prompts' lengths rarely repeat
+        self.read = LinearCosts(1, each_size=False)
+        self.drafted = 0  # drafting calls whose cost was measured
+
+    def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
+        """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
+        (`batched`: forwards over all of them at once; else each request's own), took `seconds` (no prefill in
+        it)."""
+        if not drafting or not forwards:
+            self.quiet.observe((rows,), seconds)
+            return
+        costs = self.draft if batched and drafting > 1 else self.draft_alone
+        costs.observe((drafting,), max(0.0, seconds - self.quiet(rows)) / forwards)
+        self.drafted += 1
+
+    def observe_read(self, ids: int, seconds: float) -> None:
+        """A request's draft read `ids` target ids it had not read (built from them, or caught up) in `seconds`."""
+        if ids > self.cap + 1:
+            self.read.observe((ids,), seconds)
+
+    def step(self, rows: int, proposals: int) -> float:
+        """target_B(p): a step's seconds, from the plane fitted to the steps measured."""
+        return self.target(rows, proposals)
+
+    def forward(self, drafting: int, k: int, ids: int, ways: tuple[str, ...] = ("batched",)) -> tuple[float, str]:
+        """The draft's seconds beyond a quiet call when `drafting` requests draft `ids` ids, at most k each, and
+        the cheaper of `ways`: "batched" (k forwards over all of them at once) or "alone" (each request's own
+        forwards, `ids` in all). One request drafts alone. A way not measured yet costs 0 (optimism: it is
+        tried, then measured)."""
+        if drafting <= 1 or "batched" not in ways:
+            return ids * self.draft_alone(max(drafting, 1)), "alone"
+        batched = k * self.draft(drafting)
+        if "alone" not in ways:
+            return batched, "batched"
+        alone = ids * self.draft_alone(drafting)
+        return (alone, "alone") if alone < batched else (batched, "batched")
+
+    def way(self, lengths: Sequence[int], ways: tuple[str, ...]) -> str:
+        """How the chosen `lengths` are drafted this step: the cheaper of `ways` (`forward`)."""
+        return self.forward(sum(x > 0 for x in lengths), max(lengths, default=0), sum(lengths), ways)[1]
+
+    def best_at(self, k: int, a: list[float], rows: int, base: float, rate: float,
+                 ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
+        """The lengths at most k, each request's chosen at `rate` (tokens per second; `start`: each request's
+        reading before it drafts) -> (lengths, their rate, their seconds); twice, the second time at the rate the
+        first choice gives."""
+        top = self.step(rows, k * len(a))
+        slope = max(0.0, (top - base) / (k * len(a)))
+        last = None
+        for _ in range(2):
+            lengths = [self.length(ai, k, rate, slope, si) for ai, si in zip(a, start, strict=True)]
+            if lengths == last:
+                break  # the same choice again: the same rate
+            drafting = sum(x > 0 for x in lengths)
+            if not drafting:
+                return lengths, 0.0, base
+            cost = self.step(rows, sum(lengths)) + self.forward(drafting, k, sum(lengths), ways)[0] \
+                + sum(si for si, x in zip(start, lengths, strict=True) if x)
+            tokens = (rows - len(a)) + sum(expected_tokens(ai, x) for ai, x in zip(a, lengths, strict=True))
+            rate = tokens / max(cost, 1e-9)
+            last = lengths
+        return lengths, rate, cost
+
+    def slowest_at(self, k: int, a: list[float], rows: int, base: float,
+                    ways: tuple[str, ...], start: list[float]) -> tuple[list[int], float, float]:
+        """Lengths at most k where the slowest request sets the pace -> (lengths, `rows` times its tokens per
+        second, their seconds): the request accepted least drafts k, every other the fewest whose expected tokens
+        reach its (more would cost positions and keep no request ahead of it)."""
+        if rows > len(a):  # a request that cannot draft commits one token a step, however the others draft
+            return [0] * len(a), 0.0, base
+        pace = expected_tokens(min(a), k)
+        lengths = []
+        for ai in a:  # NOTE: expected tokens summed position by position: a dozen calls fewer per request
+            j, worth, tokens = 1, ai, 1.0 + ai
+            while j < k and tokens < pace:
+                worth *= ai
+                tokens += worth
+                j += 1
+            lengths.append(j)
+        ids = sum(lengths)
+        cost = self.step(rows, ids) + self.forward(len(a), k, ids, ways)[0] + sum(start)
+        return lengths, rows * pace / max(cost, 1e-9), cost
+
+    def may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...], slowest: bool = False) -> bool:
+        """False where no lengths can beat the target alone, by a bound on every choice's rate: S ids drafted
+        commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
+        the step's slope per proposal and the draft's least seconds per id (one request alone at 1 request,
+        batched ones k forwards over m requests for at most m * k ids, the line's least per request at m = 2 or
+        m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
+        (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)
+        `slowest`: the slowest request's pace, whose lengths are at most k for it and at least 1 for the n - 1
+        others, so S >= k + n - 1 ids buy a pace of at most 1 + k min(a): none pays where base k min(a) <=
+        (k + n - 1)(slope + least), checked at k = cap (the ratio k / (k + n - 1) grows with k)."""
+        if base <= 0.0:
+            return True
+        least = self.draft_alone(1)
+        n = len(a)
+        if n > 1 and "batched" in ways:
+            least = min(least, self.draft(2) / 2, self.draft(n) / n)
+        slope = self.step(rows, 1) - base
+        if slowest:
+            if rows > n:
+                return False  # a request that cannot draft holds the pace at one token a step
+            if min(a) * base * self.cap < (self.cap + n - 1) * (slope + least) * (1 - 1e-9):
+                return False
+        return max(a) * base >= rows * (slope + least) * (1 - 1e-9)
+
+    @staticmethod
+    def length(a: float, k: int, rate: float, slope: float, start: float = 0.0) -> int:
+        """The most j <= k whose j-th position is worth its seconds at `rate`: a^j tokens >= rate * slope (an
+        earlier position is worth more); 0 where the j positions' tokens, a + ... + a^j, are not worth their
+        seconds and the reading before them (`start`) at that rate."""
+        if rate <= 0:
+            return k
+        j, worth, tokens = 0, 1.0, 0.0
+        while j < k and worth * a >= rate * slope:
+            j, worth = j + 1, worth * a
+            tokens += worth
+        if start > 0 and tokens < rate * (j * slope + start):
+            return 0
+        return j
