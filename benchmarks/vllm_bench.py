@@ -23,7 +23,8 @@ proposer's own statistics are read in this process). Systems, one vLLM `LLM` eac
 `null`: vLLM's speculative path with a proposer that never proposes (`common.NullProposer`), so every
 step verifies zero drafted tokens: what that path costs by itself. `alone_again`: a second engine of the
 target alone, timed as any other system: the spread of the bench itself (an A/A control), under which no ratio
-to the target alone is resolved.
+to the target alone is resolved. `alone_sync`: the target alone with vLLM's asynchronous scheduling off, as vLLM
+turns it off for every `custom_class` proposer: what that alone costs.
 
 `xtokspec_fixed`, `xtokspec_gemma_fixed`: the proposer drafting K for every request at every step
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
@@ -113,6 +114,7 @@ def preset(name: str, k: int) -> dict:
             # a second engine of the target alone: the bench's own spread (an A/A control), where a system's
             # ratio to the target alone can be no better resolved
             "alone_again": {},
+            "alone_sync": {"async_scheduling": False},
             "draft_model": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-same")}},
             "tli": {"speculative_config": {**draft, "model": str(MODELS / "ja-draft-bpe"),
                                            "use_heterogeneous_vocab": True}},
@@ -127,6 +129,7 @@ def preset(name: str, k: int) -> dict:
     return {"target": real("qwen2.5-coder-1.5b"), "dtype": "bfloat16", "prompts": "heldout.txt", "systems": {
         "alone": {},
         "alone_again": {},
+        "alone_sync": {"async_scheduling": False},
         "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",
                                         "num_speculative_tokens": k}},
         "draft_model": {"speculative_config": {**draft, "model": real("qwen2.5-coder-0.5b")}},
