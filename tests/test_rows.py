@@ -239,7 +239,7 @@ def test_expected_tokens_weighs_the_choice():
 
 
 def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmeasured_one_is_tried():
-    """`RowDraftLengths.way`: batched forwards cost k * draft(m), each request's own forwards sum K_i * alone(m);
+    """`StepCosts.way`: batched forwards cost k * draft(m), each request's own forwards sum K_i * alone(m);
     with a batched forward at 3 ms (2 requests) to 4 ms (8) and one request's at 1 ms, 2 requests drafting 3 each
     go alone (6 ms against 9) and 8 go batched (12 ms against 24); a way never measured is chosen, so that it gets
     measured; one request always drafts alone."""
@@ -455,9 +455,9 @@ def test_the_slowest_pace_drafts_every_request_or_none():
 
 
 def test_the_bound_that_skips_costing_the_choices_never_skips_a_choice_that_pays():
-    """`_may_pay` says no lengths beat the target alone without costing them: over policies trained on random
-    simulated servers and random acceptances (and readings before drafting, which only add cost), wherever it
-    says so, every choice costed (each k, both rates) is at most the target alone's; and it does say so often
+    """`StepCosts.may_pay` says no lengths beat the target alone without costing them: over policies trained on
+    random simulated servers and random acceptances (and readings before drafting, which only add cost), wherever
+    it says so, every choice costed (each k, both rates) is at most the target alone's; and it does say so often
     (else it saves nothing)."""
     rng = random.Random(3)
     skipped = {False: 0, True: 0}

@@ -597,7 +597,7 @@ def test_static_draft_caches_propose_what_dynamic_ones_do_and_pass_to_new_reques
 @pytest.mark.slow
 def test_a_step_by_step_choice_of_drafting_way_proposes_what_either_way_does(ja_target, heldout_prompts):
     """Where both ways are open (captured drafts on a GPU; here static caches on the CPU, eager), each step drafts
-    the cheaper of batched forwards and each request's own (`RowDraftLengths.way`): a way not measured yet is
+    the cheaper of batched forwards and each request's own (`StepCosts.way`): a way not measured yet is
     tried, so both run, and the proposals are those of one way throughout."""
     model, tokenizer = ja_target
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[:4]]

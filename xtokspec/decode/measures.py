@@ -2,7 +2,7 @@
 step's and a draft forward's costs as a plane in their sizes (`LinearCosts`), each request's acceptance
 (`Acceptance`, read from what vLLM committed after a proposal: `outcome`), and per batch size drafting against
 the target alone as both ran (`Measured`, the arms `policy.Fallback` compares in the loop). The rules that use them:
-rows.py's module docstring."""
+stepcosts.py's and rows.py's module docstrings."""
 
 from __future__ import annotations
 

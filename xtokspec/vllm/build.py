@@ -75,7 +75,7 @@ def trim(pair: assemble.Pair, draft_model, path, size) -> tuple[torch.nn.Module,
 @dataclass
 class Ways:
     """How the requests draft, chosen once: `ways` is ("batched",), ("alone",) or both (the cheaper of the two at
-    each step, from the costs measured: decode.rows.RowDraftLengths.way)."""
+    each step, from the costs measured: decode.stepcosts.StepCosts.way)."""
 
     ways: tuple[str, ...]
     batched: bool  # batched forwards over the requests' caches side by side (batch.draft_together)

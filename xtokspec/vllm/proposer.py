@@ -21,7 +21,7 @@ together, one batched forward per drafted position over their caches side by sid
 request at a time (`propose.ChainProposer`) for a lone request, a request whose text outgrows a sliding-window
 draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`. With captured drafts
 (`xtokspec_draft_graphs`: each request's steps replayed as CUDA graphs) each step drafts the cheaper of the two
-ways for the requests drafting in it, from the costs measured (`decode.rows.RowDraftLengths.way`).
+ways for the requests drafting in it, from the costs measured (`decode.stepcosts.StepCosts.way`).
 
 A new request's draft reads its prompt as text (`chat.DraftView`): a chat template's special tokens reach the
 draft as its own where its tokenizer has them by text and are left out of its view otherwise, as in
@@ -216,7 +216,7 @@ class TextBridgeProposer:
             self.policy.observe_step(*self._last_step, interval, tokens)
         # NOTE: requests waiting for a slot (seen where one freed at the limit, requests.Queue): the policy chooses
         # the step's throughput, else the slowest request's pace (a request that ends sooner frees a slot nobody
-        # takes; decode.rows)
+        # takes; decode.stepcosts)
         kept = sum(hit is not None and hit[1] > 0 for hit in assigned)
         matched = sum(hit is not None for hit in assigned)
         full = self.queue.observe(len(rows), kept, matched)

@@ -183,7 +183,7 @@ class Queue:
     that arrived together and fills the limit has none. What tells them apart is a request leaving such a step
     (finished, aborted, preempted): if a request was waiting, the scheduler admits it at the next step (its row new,
     or still prefilling); if none was, the next step runs with fewer. The last such evidence holds until the next;
-    before any, none is taken to wait (the policy's careful rule: decode.rows, the slowest request's pace)."""
+    before any, none is taken to wait (the policy's careful rule: decode.stepcosts, the slowest request's pace)."""
 
     def __init__(self, limit: int):
         self.limit = limit
