@@ -120,7 +120,7 @@ class RowDraftLengths:
         `tokens` (None: not known)."""
         if rows <= 0:
             return
-        counted = self.costs.target.observe((rows, proposals), seconds)
+        counted = self.costs.observe_step(rows, proposals, seconds)
         self.steps += 1
         # NOTE: the arms count the steps that ran what was chosen: drafting that proposed, the target alone; not
         # a size's first step, whose one-time costs LinearCosts holds back too
@@ -133,7 +133,7 @@ class RowDraftLengths:
         """What a request's next proposal costs before its draft forwards, per step it can expect to draft:
         reading its unread ids (where they are more than a drafting request reads each step, its accepted
         proposals and one more, read with its draft forwards), over its `life`."""
-        if request.unread <= self.cap + 1:
+        if not self.costs.reads(request.unread):
             return 0.0
         return self.costs.read(request.unread) / self.life(request)
 
@@ -226,7 +226,7 @@ class RowDraftLengths:
             return self._drafting([1] * n, requests, "cold")
         rows = max(rows, n)
         if not self.alone_seen:
-            self.alone_seen = self.costs.target.seen(lambda size: size[1] == 0)
+            self.alone_seen = self.costs.alone_measured()
         if not self.alone_seen or self.since_alone >= Fallback.PROBE_ALONE_EVERY:
             return self._alone(n, requests)  # the target's step without proposals is measured too
         # NOTE: where the model chose no drafting at this size, nothing it learns from the steps that follow
@@ -326,7 +326,7 @@ class RowDraftLengths:
             if length:
                 # a reading after steps without drafting ends the run that followed the last one (a new request's
                 # reading, or a long text read a chunk a step, goes on with its run)
-                if request.unread > self.cap + 1 and request.idle > 0 and request.run > 0:
+                if self.costs.reads(request.unread) and request.idle > 0 and request.run > 0:
                     self.forget(request)
                 request.run += 1
                 request.run_chosen = request.run_chosen or (chose == "drafting" and not self.probed)

@@ -66,6 +66,15 @@ class StepCosts:
         self.read = LinearCosts(1, each_size=False)
         self.drafted = 0  # drafting calls whose cost was measured
 
+    def observe_step(self, rows: int, proposals: int, seconds: float) -> bool:
+        """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds` -> whether it
+        counts (a size's first step is held back: `LinearCosts`)."""
+        return self.target.observe((rows, proposals), seconds)
+
+    def alone_measured(self) -> bool:
+        """Whether a step without proposals has been measured."""
+        return self.target.seen(lambda size: size[1] == 0)
+
     def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
         """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
         (`batched`: forwards over all of them at once; else each request's own), took `seconds` (no prefill in
@@ -79,8 +88,13 @@ class StepCosts:
 
     def observe_read(self, ids: int, seconds: float) -> None:
         """A request's draft read `ids` target ids it had not read (built from them, or caught up) in `seconds`."""
-        if ids > self.cap + 1:
+        if self.reads(ids):
             self.read.observe((ids,), seconds)
+
+    def reads(self, ids: int) -> bool:
+        """Whether `ids` unread ids are a reading of their own: more than a drafting request reads each step (its
+        accepted proposals and one more, read with its draft forwards)."""
+        return ids > self.cap + 1
 
     def step(self, rows: int, proposals: int) -> float:
         """target_B(p): a step's seconds, from the plane fitted to the steps measured."""
