@@ -10,7 +10,7 @@ Inside a package, lowest first (a package's __init__ sits on top of its own modu
     text:     codec -> bridge, chat
     runtime:  kv, models -> compile -> cache
     decode:   sampling, keyed, policy -> tree, measures, stepcosts, rows -> mapping, propose -> protocols, verify -> loop -> assemble
-    vllm:     settings, memory, requests, batch, cpu_sampling -> drafts, build -> proposer
+    vllm:     settings, memory, requests, batch, cpu_sampling -> drafts, build -> drafting -> proposer
     distill:  data -> train, evaluate -> pipeline
     cli:      common, report, presets -> bench, distill_cmd -> main
 
@@ -34,7 +34,7 @@ MODULES = {
     "runtime": [("kv", "models"), ("compile",), ("cache",)],
     "decode": [("sampling", "keyed", "policy"), ("tree", "measures", "stepcosts", "rows"), ("mapping", "propose"), ("protocols", "verify"), ("loop",),
                ("assemble",)],
-    "vllm": [("settings", "memory", "requests", "batch", "cpu_sampling"), ("drafts", "build"), ("proposer",)],
+    "vllm": [("settings", "memory", "requests", "batch", "cpu_sampling"), ("drafts", "build"), ("drafting",), ("proposer",)],
     "distill": [("data",), ("train", "evaluate"), ("pipeline",)],
     "cli": [("common", "report", "presets"), ("bench", "distill_cmd"), ("main",)],
 }

@@ -440,10 +440,10 @@ def faulty(function, every: int, first: int | None = None):
 
 
 FAULTS = {  # where a fault is injected: (object, attribute)
-    "draft_together": ("xtokspec.vllm.proposer", "draft_together"),  # batched drafting (several requests)
+    "draft_together": ("xtokspec.vllm.drafting", "draft_together"),  # batched drafting (several requests)
     "chain": ("xtokspec.decode.propose.ChainProposer", "propose"),  # one request drafting alone
     "mapper": ("xtokspec.decode.mapping.TextBridge", "commit"),
-    "prefill": ("xtokspec.vllm.proposer", "prefill_tail"),
+    "prefill": ("xtokspec.vllm.drafting", "prefill_tail"),
     "new state": ("xtokspec.vllm.drafts.RequestDraft", "__init__"),
 }
 

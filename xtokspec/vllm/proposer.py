@@ -21,7 +21,8 @@ together, one batched forward per drafted position over their caches side by sid
 request at a time (`propose.ChainProposer`) for a lone request, a request whose text outgrows a sliding-window
 draft's window, or with `additional_config["xtokspec_batched_drafts"] = False`. With captured drafts
 (`xtokspec_draft_graphs`: each request's steps replayed as CUDA graphs) each step drafts the cheaper of the two
-ways for the requests drafting in it, from the costs measured (`decode.stepcosts.StepCosts.way`).
+ways for the requests drafting in it, from the costs measured (`decode.stepcosts.StepCosts.way`). This module
+matches rows to requests, times the step and lets the policy choose the lengths; `drafting.StepDrafts` drafts them.
 
 A new request's draft reads its prompt as text (`chat.DraftView`): a chat template's special tokens reach the
 draft as its own where its tokenizer has them by text and are left out of its view otherwise, as in
@@ -57,18 +58,15 @@ from ..decode.propose import ChainProposer
 from ..decode.rows import RowDraftLengths
 from ..runtime.kv import context_limit
 from ..text.chat import DraftView
-from ..types import Laps
 from . import build
-from .batch import draft_together, prefill_tail
 from .cpu_sampling import recurrent, repair_cpu_sampling
+from .drafting import StepDrafts
 from .drafts import RequestDraft
 from .memory import DraftMemory
 from .requests import Entry, Queue, RequestTable
 from .settings import MEMORY_KEY, ProposerSettings, ProposerStats
 
 log = logging.getLogger("xtokspec")
-
-LONG_TAIL = 16  # a row with more uncached ids than this (a new request's prompt) prefills them on its own first
 
 
 # ---------------------------------------------------------------------------------------------- the proposer
@@ -125,6 +123,7 @@ class TextBridgeProposer:
         self.read_ids = settings.read_ids  # a new request's draft reads at most its last so many ids
         self.memory = DraftMemory(self.draft_model, settings.memory_mib)  # its bound: memory.py
         self.stats = ProposerStats()
+        self.drafts = StepDrafts(self)  # the chosen lengths drafted (drafting.py)
         self._faults_seen: set[tuple] = set()
         # a step where nothing is drafted is prepared and sampled as without speculative decoding, where the
         # target keeps no recurrent state (cpu_sampling, item 4)
@@ -171,12 +170,12 @@ class TextBridgeProposer:
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception as err:
-            self._fault(err, "matching rows to requests")
+            self.fault(err, "matching rows to requests")
             for entry in list(self.table.entries):
                 self.table.discard(entry)
             return [[] for _ in sampled_token_ids]
 
-    def _fault(self, err: Exception, where: str, requests: int = 1) -> None:
+    def fault(self, err: Exception, where: str, requests: int = 1) -> None:
         """Count a fault; log its first occurrence of each kind (a fault repeating every step would flood the log)."""
         self.stats.faults += requests
         key = (where, type(err).__name__, str(err)[:200])
@@ -226,7 +225,7 @@ class TextBridgeProposer:
         self.stats.rows += len(candidates)
         self.stats.drafting_rows += sum(x > 0 for x in lengths)
         out: list[list[int]] = [[] for _ in rows]
-        together, alone, prefilled, forwards, k = self._draft(candidates, lengths, out, call_start)
+        together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
         for r, entry, _ in candidates:
             if entry.payload is not None:
                 entry.payload.proposed = out[r]
@@ -255,7 +254,7 @@ class TextBridgeProposer:
             try:
                 room = self._advance_row(entry, seen, rows[r])
             except Exception as err:
-                self._fault(err, "preparing a request's draft")
+                self.fault(err, "preparing a request's draft")
                 self.table.discard(entry)
                 continue
             live += room is not None
@@ -263,99 +262,6 @@ class TextBridgeProposer:
                 entry.payload.acceptance.unread = entry.payload.unread  # reading them: a cost (decode.rows)
                 candidates.append((r, entry, room))
         return candidates, live
-
-    def _draft(self, candidates, lengths, out, t0) -> tuple[int, int, bool, int, int]:
-        """The chosen lengths drafted into `out` (by row): the requests that draft in one batch, then the others
-        one at a time -> (requests drafted in the batch, those drafted alone, whether a prefill ran, the alone
-        ones' forwards, the batch's k). `t0`: when the call's own work began (stats.other_s runs from it)."""
-        stats = self.stats
-        k = max(lengths, default=0)
-        batch_now = self.policy.costs.way(lengths, self.ways) == "batched" if len(self.ways) > 1 else self.batched
-        together: list[tuple[int, Entry, int, tuple | None]] = []  # (row, entry, room, healing's candidate)
-        alone: list[tuple[int, Entry, int]] = []  # drafted one request at a time
-        prefills, prefilled = 0.0, False  # seconds of prefills run alone; whether any ran (a chunk included)
-        for (r, entry, room), length in zip(candidates, lengths, strict=True):
-            if not length:
-                continue
-            try:
-                batch, heal, prefill_s = self._prepare_row(entry, k, min(room, length), batch_now)
-            except Exception as err:
-                self._fault(err, "preparing a request's draft")
-                self.table.discard(entry)
-                continue
-            prefills += prefill_s
-            prefilled = prefilled or prefill_s > 0
-            if batch is None:  # its draft read a chunk of its text instead
-                continue
-            if batch:
-                together.append((r, entry, min(room, length), heal))
-            else:
-                alone.append((r, entry, min(room, length)))
-        if len(together) == 1:  # nothing to batch with
-            alone += [item[:3] for item in together]
-            together = []
-        t0 += prefills  # a prefill outside the batch counts as drafting, not other_s
-        forwards, t0 = self._draft_alone(alone, out, t0)
-        if together:
-            t0 = self._draft_together(together, k, out, t0)
-        stats.other_s += time.perf_counter() - t0
-        return len(together), len(alone), prefilled, forwards, k
-
-    def _draft_alone(self, alone, out, t0: float) -> tuple[int, float]:
-        """Each request's own draft forwards -> (the forwards run, when the last one ended)."""
-        stats, forwards = self.stats, 0
-        for r, entry, room in alone:
-            request = entry.payload
-            laps = Laps()
-            stats.other_s += laps.start - t0
-            try:
-                out[r] = request.propose(room, room, laps)
-            except Exception as err:
-                self._fault(err, "drafting for a request")
-                self.table.discard(entry)
-                out[r] = []
-            stats.draft_s += laps.seconds["draft"]
-            stats.bridge_s += laps.seconds["bridge"]
-            stats.draft_forwards += request.draft_steps
-            forwards += request.draft_steps
-            stats.proposed += len(out[r])
-            t0 = time.perf_counter()
-        return forwards, t0
-
-    def _draft_together(self, together, k: int, out, t0: float) -> float:
-        """One batched forward per drafted position over the requests' caches (`draft_together`), each request's
-        ids then mapped onto the target's -> when that ended."""
-        stats = self.stats
-        t1 = time.perf_counter()
-        stats.other_s += t1 - t0
-        try:
-            requests = [entry.payload for _, entry, _, _ in together]
-            drafted, copy_s, healed = draft_together(
-                self.draft_model, [request.state for request in requests], k, self.chain.draft_eos,
-                self.window, [request.first_ids for request in requests], [h for *_, h in together])
-        except Exception as err:  # NOTE: the batch's caches may be half-written: every request in it starts over
-            self._fault(err, "drafting a batch of requests", len(together))
-            for _, entry, _, _ in together:
-                self.table.discard(entry)
-            drafted = None
-        t0 = time.perf_counter()
-        if drafted is not None:
-            stats.draft_s += t0 - t1 - copy_s
-            stats.copy_s += copy_s
-            stats.batched_forwards += k
-            stats.healed += sum(healed)
-            for (r, entry, room, _), ids, was_healed in zip(together, drafted, healed, strict=True):
-                try:
-                    out[r] = entry.payload.finish(ids, room, was_healed)
-                except Exception as err:
-                    self._fault(err, "mapping a request's draft")
-                    self.table.discard(entry)
-                    out[r] = []
-                stats.draft_forwards += len(ids)
-                stats.proposed += len(out[r])
-        t1 = time.perf_counter()
-        stats.bridge_s += t1 - t0
-        return t1
 
     def _end_call(self, start: float, interval: float | None, quiet: bool, skipped: bool = False) -> None:
         """A call's own bookkeeping, drafting or not: its counts, and its time for the probes' budget."""
@@ -398,42 +304,6 @@ class TextBridgeProposer:
         if int(row[-1]) in self.pair.target_eos:
             return None  # the request has just finished (or goes on past EOS): nothing worth drafting now
         return max(0, min(self.k, self.max_model_len - len(row) - 1))
-
-    def _prepare_row(self, entry: Entry, k: int, room: int, batch: bool) -> tuple[bool | None, tuple | None, float]:
-        """Ready a request to draft -> (whether it drafts in the batch of k forwards, or None: not this step, its
-        draft is still reading a long text, one chunk per step; token healing's candidate in the batch; seconds of
-        a prefill it ran)."""
-        request = entry.payload
-        unread, t0 = request.unread, time.perf_counter()
-        prepared = self._ready(request, k, room, batch)
-        self.policy.costs.observe_read(unread, time.perf_counter() - t0)  # what the reading cost (decode.stepcosts)
-        return prepared
-
-    def _ready(self, request: RequestDraft, k: int, room: int,
-               batch: bool) -> tuple[bool | None, tuple | None, float]:
-        """`_prepare_row`'s work: the request's draft caught up (built the first time) and prefilled."""
-        ready = request.prepare(k, room)
-        state = request.state
-        prefill_s = 0.0
-        if len(state.ids) - state.cached > self.prefill_chunk + 1:
-            # a new request's prompt, or much text committed while it did not draft: one chunk per step, so that
-            # no running request waits on a long prefill
-            t1 = time.perf_counter()
-            prefill_tail(state, self.prefill_chunk)
-            prefill_s = time.perf_counter() - t1
-            self.stats.draft_s += prefill_s
-            self.stats.prefill_chunks += 1
-            return None, None, prefill_s
-        if batch and ready == k:
-            if state.cached < 1 or not 1 <= len(state.ids) - state.cached <= LONG_TAIL:
-                t1 = time.perf_counter()
-                prefill_tail(state)  # the rest of a prompt, or all ids cached: on its own, before the batch
-                prefill_s = time.perf_counter() - t1
-                self.stats.draft_s += prefill_s
-            fits = self.window is None or len(state.ids) + LONG_TAIL + k < self.window - 1
-            if state.cached >= 1 and fits:
-                return True, request.heal_candidate(), prefill_s
-        return False, None, prefill_s
 
     def cache_bytes(self) -> int:
         """The draft caches' memory now, as the bound counts it (`memory.DraftMemory`)."""
