@@ -57,7 +57,10 @@ teacher-forced, must be transformers' own greedy choice or a near-tie (a wrongly
 embedding left unloaded, writes tokens far from it). `--check-alone MODEL` runs only that check, for any model
 folder. `--pool RESULTS... --out OUT` lays rounds run in separate processes (the same prompts, batches and
 systems) side by side as one results.json and its table: two engines of a float32 1.5B target are not released
-inside one process, so its rounds run one process each.
+inside one process, so its rounds run one process each. `--processes N --out OUT` runs them so in one command:
+the same run in N fresh processes, the systems built in reverse order in every other one (ABBA), each writing
+OUT's folder/process-I/, then pooled into OUT (where an engine's memory lies is a draw of several percent for its
+whole life on these VMs, `epyc-avx2/vllm-adaptive/real-f32-trim/two-copies/`: one process is one draw).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -441,6 +445,27 @@ def pool(paths: list[Path], out: Path) -> None:
     rerender(out)
 
 
+def process_runs(argv: list[str], names: list[str], out: Path, processes: int) -> list[tuple[list[str], Path]]:
+    """`--processes N`: this run's arguments for each of N fresh processes, the systems built in reverse order in
+    every other one, each writing OUT's folder/process-I/results.json -> (arguments, results.json) per process."""
+    rest, skip = [], False
+    for word in argv:  # NOTE: the options each process is given anew, in either spelling (`--out X`, `--out=X`)
+        if skip:
+            skip = False
+            continue
+        option = word.split("=", 1)[0]
+        if option in ("--processes", "--out", "--systems"):
+            skip = "=" not in word
+            continue
+        rest.append(word)
+    runs = []
+    for n in range(processes):
+        path = out.parent / f"process-{n + 1}" / "results.json"
+        order = names if n % 2 == 0 else names[::-1]
+        runs.append(([*rest, "--systems", ",".join(order), "--out", str(path)], path))
+    return runs
+
+
 def preload_openmp() -> None:
     """Restart this process with Intel OpenMP preloaded, as vLLM's own engine process would be: an in-process engine
     without it ran 2-7x slower and erratically here (vLLM warns so for speculative decoding on a CPU)."""
@@ -563,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only write table.md again beside RESULTS (a "
                         "results.json), from what it holds")
+    parser.add_argument("--processes", type=int, metavar="N", help="run it all in N fresh processes (ABBA: the "
+                        "systems built in reverse order in every other one), each into OUT's folder/process-I/, and "
+                        "pool them into --out")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="RESULTS", help="only pool the rounds of these "
                         "results.json (the same prompts, batches and systems, run in separate processes) into --out, "
                         "and write its table.md")
@@ -581,6 +609,18 @@ def main() -> None:
         if not args.out:
             raise SystemExit("--pool writes the pooled results.json to --out")
         pool(args.pool, args.out)
+        return
+    if args.processes:
+        if not args.out:
+            raise SystemExit("--processes writes each process's results beside --out and pools them into it")
+        names = args.systems.split(",") if args.systems else list(preset(args.preset, args.k)["systems"])
+        write_manifest(args.out.parent)
+        paths = []
+        for n, (words, path) in enumerate(process_runs(sys.argv[1:], names, args.out, args.processes)):
+            print(f"process {n + 1}/{args.processes}: {' '.join(words)}", flush=True)
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *words], check=True)
+            paths.append(path)
+        pool(paths, args.out)
         return
     preload_openmp()
     for name, value in ENV.items():

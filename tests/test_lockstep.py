@@ -85,3 +85,19 @@ def test_pool_lays_rounds_of_separate_processes_side_by_side_and_refuses_other_p
     assert "| x | 1 | 12.0 | 1.400 [0.800] | 1.400 (0.800-2.000) |" in table  # ratios 2, 2, 0.8, 0.8
     with pytest.raises(SystemExit, match="run-3.*another prompts"):
         vllm_bench.pool([a, one("run-3", 1.0, 1.0, prompts=("p", "r"))], tmp_path / "bad" / "results.json")
+
+
+def test_processes_run_the_same_command_in_fresh_processes_in_abba_order(tmp_path):
+    """`--processes N`: each process gets the run's own options, the systems in reverse order every other time, and
+    a results.json of its own beside --out; `--processes`, `--out` and `--systems` are given anew in either
+    spelling."""
+    out = tmp_path / "study" / "results.json"
+    argv = ["--preset", "real", "--systems=alone,x", "--processes", "3", "--rounds", "1", f"--out={out}", "--lockstep"]
+    runs = vllm_bench.process_runs(argv, ["alone", "x"], out, 3)
+    assert [words for words, _ in runs] == [
+        ["--preset", "real", "--rounds", "1", "--lockstep", "--systems", order, "--out", str(path)]
+        for order, path in (("alone,x", tmp_path / "study" / "process-1" / "results.json"),
+                            ("x,alone", tmp_path / "study" / "process-2" / "results.json"),
+                            ("alone,x", tmp_path / "study" / "process-3" / "results.json"))]
+    assert [path for _, path in runs] == [tmp_path / "study" / f"process-{n}" / "results.json" for n in (1, 2, 3)]
+    assert vllm_bench.build_parser().parse_args(runs[1][0]).systems == "x,alone"
