@@ -559,7 +559,9 @@ def held_out(chosen: dict, prompts: set[str], folder: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # NOTE: no abbreviated options: `--processes` hands each process the command without its own `--processes`,
+    # `--out` and `--systems`, which an abbreviation (`--proc 2`) would slip past, each process starting more
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=("fixtures", "real"), default="fixtures")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--new-tokens", type=int, default=64)

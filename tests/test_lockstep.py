@@ -101,3 +101,5 @@ def test_processes_run_the_same_command_in_fresh_processes_in_abba_order(tmp_pat
                             ("alone,x", tmp_path / "study" / "process-3" / "results.json"))]
     assert [path for _, path in runs] == [tmp_path / "study" / f"process-{n}" / "results.json" for n in (1, 2, 3)]
     assert vllm_bench.build_parser().parse_args(runs[1][0]).systems == "x,alone"
+    with pytest.raises(SystemExit):  # an abbreviation would slip past the options given anew
+        vllm_bench.build_parser().parse_args(["--proc", "2", "--out", str(out)])
