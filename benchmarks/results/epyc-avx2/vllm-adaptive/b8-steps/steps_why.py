@@ -7,7 +7,9 @@ target alone's, and the measured arms at that size (`drafting_loses`); each step
 step: predicted against realized seconds and tokens for drafting calls, the fitted step against the realized one
 for quiet calls (`output-why.txt`).
 
-    python benchmarks/results/epyc-avx2/vllm-adaptive/b8-steps/steps_why.py [--real]   (env as vllm_bench.py's, one core)
+    python benchmarks/results/epyc-avx2/vllm-adaptive/b8-steps/steps_why.py [--real] [--out DIR]   (env as vllm_bench.py's, one core)
+
+`--out DIR`: write the log and summary into DIR instead of this folder (another machine's results).
 """
 
 import collections
@@ -117,6 +119,8 @@ def main() -> None:
     tokens, batch 1, 4 and 8 once each, as vllm_bench.py's `real-f32-trim/` runs; `why-real.json.gz`,
     `output-why-real.txt`)."""
     real = "--real" in sys.argv[1:]
+    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv[1:] else HERE
+    out.mkdir(parents=True, exist_ok=True)
     log: list = []
     record(log)
     chosen = vb.preset("real" if real else "fixtures", 3)
@@ -133,10 +137,10 @@ def main() -> None:
         log.append(dict(ev="batch", size=batch))
         vb.run_batches(llm, [prompts[i : i + batch] for i in range(0, count, batch)], tokens)
     name = "-real" if real else ""
-    with gzip.open(HERE / f"why{name}.json.gz", "wt", encoding="utf-8") as f:
+    with gzip.open(out / f"why{name}.json.gz", "wt", encoding="utf-8") as f:
         json.dump(log, f)
     lines = summary(log)
-    (HERE / f"output-why{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / f"output-why{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
