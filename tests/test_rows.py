@@ -664,3 +664,45 @@ def test_control_with_the_reading_left_out_new_requests_draft_at_a_loss(monkeypa
     monkeypatch.setattr(RowDraftLengths, "startup", lambda self, request: 0.0)
     policy = reading_server()
     assert all(policy.lengths([Acceptance(unread=40) for _ in range(8)], 8))
+
+
+ONE_AT_A_TIME = ([0.6, 0.6, 0.2, 0.6, 0.6, 0.25, 0.6, 0.6] * 2,  # each request's acceptance, one request at a time
+                 lambda b, p: 0.44 + 0.01 * p + (0.0176 if p else 0.0),  # a 4% step cost the plane fit misses at small p
+                 lambda m: 0.033)
+
+
+class WithinMarginCounted(RowDraftLengths):
+    """The control: drafting steps chosen within the margin fed to the measured arms too."""
+
+    def lengths(self, *args, **kwargs) -> list[int]:
+        out = super().lengths(*args, **kwargs)
+        self.confident = True
+        return out
+
+
+def drafted_one_at_a_time(seed: int, policy_class=RowDraftLengths) -> list[tuple[float, int]]:
+    """Requests served one after another at batch 1 (as `ONE_AT_A_TIME`), 32 steps each -> (acceptance, steps
+    drafted) per request."""
+    rates, step, draft = ONE_AT_A_TIME
+    policy, rng, last, out = policy_class(3), random.Random(seed), None, []
+    for rate in rates:
+        request, drafted = Acceptance(), 0
+        for _ in range(32):
+            accepted, last, _, m = serve_step(policy, [request], [rate], step, draft, rng, last)
+            request.age += 1 + accepted[0]
+            drafted += m
+        out.append((rate, drafted))
+    return out
+
+
+def test_a_poor_request_drafting_on_at_a_small_gain_does_not_stop_the_next_good_ones():
+    """At batch 1 a request the draft follows poorly goes on drafting one id while the model predicts a gain within
+    the margin; with a cost the fit misses, those steps lose a little. They are not fed to the measured arms, so
+    the next requests, which the draft follows well, still draft most of their steps. Control: with them fed to the
+    arms, the arms turn to "drafting loses" after a poor request and the good ones after it draft next to nothing
+    until probes bring it back (seed 1: as one process of four did on the real pair, BENCHMARKS.md, "vLLM")."""
+    for seed in range(4):
+        good = [d for rate, d in drafted_one_at_a_time(seed) if rate > 0.5]
+        assert min(good) >= 24, (seed, good)
+    control = [d for rate, d in drafted_one_at_a_time(1, WithinMarginCounted) if rate > 0.5]
+    assert min(control) < 8, control
