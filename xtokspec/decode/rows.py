@@ -47,10 +47,7 @@ its arms): drafting as chosen, in seconds per committed token with the proposer'
 alone's steps at that size. Where drafting has measured slower, nothing is drafted at that size whatever the model
 predicts (a cost it misses: a fit carried from other sizes, vLLM's own work per proposal), and the choice is
 drafted again as a probe on the schedule above. A size where drafting has run a few steps but the target alone has
-not is given target-alone steps first, so that the comparison has both sides. Drafting steps chosen within the
-margin (a request going on at a small predicted gain) are not counted: the model misses costs of about that size,
-so their small losses tell the arms nothing the margin does not, and at batch 1, one request after another, they
-turned the arms against the next request the draft follows well for most of its length (BENCHMARKS.md, "vLLM").
+not is given target-alone steps first, so that the comparison has both sides.
 
 Like the loop's policies (policy.py) it decides from earlier steps only and cannot change the output: vLLM
 verifies whatever is proposed.
@@ -112,8 +109,6 @@ class RowDraftLengths:
         self.chose = "none"  # what the last lengths were: "drafting" (chosen, or a probe of the choice), "alone",
         # or neither ("cold", a one-request "probe", "none"), which the arms do not count
         self.last_call = 0.0  # the last call's seconds
-        # the last lengths were predicted past the margin to start drafting: only such steps feed the drafting arm
-        self.confident = False
         self.alone_seen = False  # a step without proposals has been measured
         self.quiet_size: tuple | None = None  # (rows, requests, full) where nothing was last chosen to draft
         self.quiet_left = 0  # steps at that size before it is costed again
@@ -131,11 +126,7 @@ class RowDraftLengths:
         # a size's first step, whose one-time costs LinearCosts holds back too
         if not counted:
             return
-        # NOTE: drafting steps chosen within the margin (a request going on at a small predicted gain) are left
-        # out: the model misses costs of about that size, so their losses say nothing it did not know, and at
-        # batch 1 they would stop the next request (one the model rates well) until a probe
-        if tokens is not None and (self.chose, proposals > 0, self.confident or not proposals) in (
-                ("drafting", True, True), ("alone", False, True)):
+        if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
             self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
 
     def startup(self, request: Acceptance) -> float:
@@ -228,7 +219,7 @@ class RowDraftLengths:
         the batch is at the server's limit, so requests may be waiting for a slot (the step's committed tokens per
         second are chosen); else the slowest request's (this module's docstring)."""
         n = len(requests)
-        self.probed, self.chose, self.confident = False, "none", False
+        self.probed, self.chose = False, "none"
         if not self.adaptive or not n:
             return [self.cap] * n
         if self.steps < WARM_CYCLES or self.costs.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
@@ -264,7 +255,6 @@ class RowDraftLengths:
         # start again, its evidence fading in between. A choice in which a request must first read its text starts
         # that request: its reading is paid in full at once, where the model charges a share a step, and the
         # largest misses measured were there (a batch's new requests at 4-8 requests: b8-steps/output-why*.txt)
-        self.confident = any(best) and best_rate >= (1 + self.MARGIN) * alone
         reads = any(x and si > 0 for x, si in zip(best, start, strict=False))
         margin = 0.0 if self.since_draft == 0 and not reads else self.MARGIN
         self.quiet_size = None
