@@ -4,6 +4,7 @@ and the policy sees only what the proposer would measure. Nothing here depends o
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from copy import deepcopy
@@ -328,15 +329,15 @@ def served_at_eight_after_smaller_batches(policy: RowDraftLengths) -> dict:
 
 
 def test_a_size_where_drafting_measures_slower_drafts_nothing_whatever_the_model_predicts():
-    """The measured arms at 8 requests (`measures.Measured`) stop drafting the model still predicts to pay: within 3% of
-    the target alone over 1,000 steps, probes only."""
+    """The cost miss measured at 8 requests (`measures.Measured.cost_miss`) stops drafting the model still predicts to
+    pay: within 3% of the target alone over 1,000 steps, probes only."""
     result = served_at_eight_after_smaller_batches(RowDraftLengths(3))
     assert result["ratio"] >= 0.97 and result["drafting"] < 0.1, result
 
 
 def test_control_without_the_measured_arms_the_carried_fit_drafts_at_a_loss(monkeypatch):
-    """The same server with the arms' verdict ignored: the plane keeps drafting at 8 and loses more than 3%."""
-    monkeypatch.setattr(Measured, "drafting_loses", lambda self, rows: False)
+    """The same server with the measured cost miss ignored: the plane keeps drafting at 8 and loses more than 3%."""
+    monkeypatch.setattr(Measured, "cost_miss", lambda self: 1.0)
     result = served_at_eight_after_smaller_batches(RowDraftLengths(3))
     assert result["ratio"] < 0.97 and result["drafting"] > 0.3, result
 
@@ -353,7 +354,7 @@ def test_where_the_measurement_stops_drafting_the_choice_is_costed_every_few_ste
         step, draft = HIDDEN_AT_EIGHT
         rng, requests = random.Random(3), [Acceptance(successes=7.0, failures=3.0) for _ in range(8)]
         costed, probes, ahead = [], [], 0
-        assert policy.measured[8].drafting_loses(8)  # what stops drafting here
+        assert policy.measured[8].cost_miss() > 1.1  # what stops drafting here
         may_pay = policy.costs.may_pay
         policy.costs.may_pay = lambda *args: costed.append(1) or may_pay(*args)
         last = None
@@ -387,6 +388,30 @@ def test_measured_arms_compare_seconds_per_committed_token_at_one_size():
         arms.observe(True, 12, 0.050)
     assert arms.drafting_loses(8)
     assert not Measured().drafting_loses(8)
+
+
+def test_the_cost_miss_is_drafting_steps_seconds_over_the_target_alones_step_plus_the_predicted_additions():
+    """Target-alone steps of 30 ms; drafting steps predicted to add 10 ms that take 40 ms: no miss (1.0); taking
+    46 ms: 46 / 40 = 1.15 on the decayed average. Faster than predicted counts as no miss (the model's own
+    prediction stands). Too few samples on either side, or steps whose additions were not predicted: 1.0.
+    The tokens committed play no part."""
+    arms = Measured()
+    for _ in range(5):
+        arms.observe(True, 12, 0.040, added=0.010)
+    assert arms.cost_miss() == 1.0  # no target-alone step yet
+    arms.observe(False, 8, 0.030)
+    arms.observe(False, 8, 0.030)
+    assert arms.cost_miss() == pytest.approx(1.0)
+    for _ in range(60):
+        arms.observe(True, 1, 0.046, added=0.010)
+    assert arms.cost_miss() == pytest.approx(1.15, rel=1e-3)
+    for _ in range(60):
+        arms.observe(True, 30, 0.035, added=0.010)
+    assert arms.cost_miss() == 1.0
+    unpredicted = Measured(alone=arms.alone)
+    for _ in range(10):
+        unpredicted.observe(True, 1, 0.5)
+    assert unpredicted.cost_miss() == 1.0 and unpredicted.drafting_loses(8)
 
 
 def test_a_probe_waits_until_the_budget_holds_it_at_the_last_probes_cost():
@@ -664,3 +689,44 @@ def test_control_with_the_reading_left_out_new_requests_draft_at_a_loss(monkeypa
     monkeypatch.setattr(RowDraftLengths, "startup", lambda self, request: 0.0)
     policy = reading_server()
     assert all(policy.lengths([Acceptance(unread=40) for _ in range(8)], 8))
+
+
+# one request at a time at batch 1, as on the real pair: most prompts the draft follows well, two poorly; a 4% step
+# cost the plane's fit misses where few ids are proposed
+ONE_AT_A_TIME = ([0.6, 0.6, 0.2, 0.6, 0.6, 0.25, 0.6, 0.6] * 2,
+                 lambda b, p: 0.44 + 0.01 * p + (0.0176 if p else 0.0),
+                 lambda m: 0.033)
+
+
+def drafted_one_at_a_time(seed: int) -> list[tuple[float, int]]:
+    """Requests served one after another at batch 1 (`ONE_AT_A_TIME`), 32 steps each -> (acceptance, steps
+    drafted) per request."""
+    rates, step, draft = ONE_AT_A_TIME
+    policy, rng, last, out = RowDraftLengths(3), random.Random(seed), None, []
+    for rate in rates:
+        request, drafted = Acceptance(), 0
+        for _ in range(32):
+            accepted, last, _, m = serve_step(policy, [request], [rate], step, draft, rng, last)
+            request.age += 1 + accepted[0]
+            drafted += m
+        policy.forget(request)
+        out.append((rate, drafted))
+    return out
+
+
+def test_a_request_the_draft_follows_poorly_does_not_stop_the_next_ones_from_drafting():
+    """At batch 1 a request the draft follows poorly goes on drafting one id while the model predicts a small gain,
+    and those steps lose a little. The measurement at that size is of costs only (`Measured.cost_miss`), so the
+    next requests, which the draft follows well, draft most of their steps on their own rates. Control: the
+    verdict in tokens per second (`Measured.drafting_loses`, one request's acceptance with the costs) turns
+    against drafting after a poor request, and a good one after it drafts next to nothing until probes bring it
+    back (seed 1; as one engine of six did on the real pair, BENCHMARKS.md, "vLLM")."""
+    for seed in range(4):
+        good = [d for rate, d in drafted_one_at_a_time(seed) if rate > 0.5]
+        assert min(good) >= 24, (seed, good)
+
+
+def test_control_with_the_verdict_in_tokens_per_second_a_poor_request_stops_the_next(monkeypatch):
+    monkeypatch.setattr(Measured, "cost_miss", lambda self: math.inf if self.drafting_loses(1) else 1.0)
+    good = [d for rate, d in drafted_one_at_a_time(1) if rate > 0.5]
+    assert min(good) < 8, good

@@ -179,19 +179,39 @@ def outcome(proposed: Sequence[int], new: Sequence[int]) -> tuple[int, bool]:
 @dataclass
 class Measured:
     """What the steps of one batch size (requests in a step) have measured, whatever the model predicts: the
-    target alone's recent step times (each commits one token per request), and drafting's seconds per committed
-    token (decayed sums, as `policy.Fallback` keeps them); each step's seconds with the proposer's call before it."""
+    target alone's recent step times (each commits one token per request), drafting's seconds per committed
+    token (decayed sums, as `policy.Fallback` keeps them), and drafting steps' seconds against what the cost model
+    predicted they would add to a step of the target alone; each step's seconds with the proposer's call before it.
+
+    The verdict the policy acts on is the cost model's miss (`cost_miss`): drafting steps' seconds over the target
+    alone's measured step plus the seconds the model predicted the drafts would add. It leaves acceptance out:
+    a request's acceptance is learned from its own proposals, and a verdict in tokens per second (`drafting_loses`)
+    at one request is one request's acceptance applied to the next (a poor prompt turned it against the good one
+    that followed: BENCHMARKS.md, "vLLM")."""
 
     alone: collections.deque = field(default_factory=lambda: collections.deque(maxlen=Fallback.ALONE_SAMPLES))
     drafting: DraftingCost = field(default_factory=DraftingCost)
+    # drafting steps whose added seconds the model predicted (decayed sums): their seconds, the predicted
+    # additions, their weight, and their number
+    real: float = 0.0
+    added: float = 0.0
+    weight: float = 0.0
+    costed: int = 0
 
     ALONE_MIN = 2  # target-alone steps measured before a comparison
 
-    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe(self, drafted: bool, tokens: int, seconds: float, added: float | None = None) -> None:
+        """A step of this size: whether it drafted, the tokens it committed, its seconds; `added`: what the cost
+        model predicted its drafts add to a step of the target alone (None: not predicted)."""
         if not drafted:
             self.alone.append(seconds)
             return
         self.drafting.add(tokens, seconds)
+        if added is not None:
+            self.real = DECAY * self.real + seconds
+            self.added = DECAY * self.added + added
+            self.weight = DECAY * self.weight + 1.0
+            self.costed += 1
 
     def alone_wanted(self) -> bool:
         """Drafting has been measured here, the target alone not yet enough for a comparison."""
@@ -201,8 +221,17 @@ class Measured:
         """The target alone's seconds per token at this size (`rows` requests, one token each a step)."""
         return statistics.median(self.alone) / rows
 
+    def cost_miss(self) -> float:
+        """How much longer drafting steps have taken than predicted, >= 1: their seconds over the target alone's
+        measured step plus the predicted additions (1 until both sides have been measured)."""
+        if len(self.alone) < self.ALONE_MIN or self.costed < WARM_CYCLES:
+            return 1.0
+        predicted = self.added + self.weight * statistics.median(self.alone)
+        return max(1.0, self.real / max(predicted, 1e-12))
+
     def drafting_loses(self, rows: int) -> bool:
-        """Drafting has cost more per committed token than the target alone at this size (both measured)."""
+        """Drafting has cost more per committed token than the target alone at this size (both measured): a
+        verdict that mixes the requests' acceptance with the costs, reported by the studies' logs."""
         if len(self.alone) < self.ALONE_MIN or self.drafting.cycles < WARM_CYCLES:
             return False
         return self.drafting.loses_to(self.per_token_alone(rows))

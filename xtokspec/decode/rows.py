@@ -42,12 +42,16 @@ costed again every `RECHECK` steps at that size, not at each: without proposals 
 much, and costing it was most of a quiet call's time.
 In the steps between (`quiet_ahead`) a caller need not even match its rows to requests (`skip`).
 
-The model predicts; each batch size's steps also measure (`measures.Measured`, as `policy.Fallback` compares
-its arms): drafting as chosen, in seconds per committed token with the proposer's call, against the target
-alone's steps at that size. Where drafting has measured slower, nothing is drafted at that size whatever the model
-predicts (a cost it misses: a fit carried from other sizes, vLLM's own work per proposal), and the choice is
-drafted again as a probe on the schedule above. A size where drafting has run a few steps but the target alone has
-not is given target-alone steps first, so that the comparison has both sides.
+The model predicts; each batch size's steps also measure (`measures.Measured`): drafting steps' seconds, with
+the proposer's call, against the target alone's measured step at that size plus the seconds the model predicted
+the drafts would add (readings in full). Where drafting steps have taken longer than that (a cost the model misses:
+a fit carried from other sizes, vLLM's own work per proposal), the model's predicted gain must exceed the miss
+(`cost_miss`), and where it does not nothing is drafted at that size, the choice drafted again as a probe on the
+schedule above. The measurement is of costs only: acceptance is each request's own, so a request the draft follows
+poorly stops itself and leaves the next request's choice to that request's rate (compared in tokens per second,
+the steps at one request turned one prompt's verdict against the next: BENCHMARKS.md, "vLLM"). A size where
+drafting has run a few steps but the target alone has not is given target-alone steps first, so that the
+comparison has both sides.
 
 Like the loop's policies (policy.py) it decides from earlier steps only and cannot change the output: vLLM
 verifies whatever is proposed.
@@ -106,6 +110,7 @@ class RowDraftLengths:
         self.probed_before = False  # the last call's were
         # the measured arms by batch size (requests in a step): drafting as chosen against the target alone
         self.measured: dict[int, Measured] = {}
+        self.added: float | None = None  # the seconds the model predicted the last lengths add to the step
         self.chose = "none"  # what the last lengths were: "drafting" (chosen, or a probe of the choice), "alone",
         # or neither ("cold", a one-request "probe", "none"), which the arms do not count
         self.last_call = 0.0  # the last call's seconds
@@ -127,7 +132,8 @@ class RowDraftLengths:
         if not counted:
             return
         if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
-            self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call)
+            self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call,
+                                                               self.added if proposals else None)
 
     def startup(self, request: Acceptance) -> float:
         """What a request's next proposal costs before its draft forwards, per step it can expect to draft:
@@ -219,7 +225,7 @@ class RowDraftLengths:
         the batch is at the server's limit, so requests may be waiting for a slot (the step's committed tokens per
         second are chosen); else the slowest request's (this module's docstring)."""
         n = len(requests)
-        self.probed, self.chose = False, "none"
+        self.probed, self.chose, self.added = False, "none", None
         if not self.adaptive or not n:
             return [self.cap] * n
         if self.steps < WARM_CYCLES or self.costs.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
@@ -240,17 +246,17 @@ class RowDraftLengths:
         a = self.rates(requests)
         base = self.costs.step(rows, 0)
         alone = rows / max(base, 1e-9)
-        best, best_rate = [0] * n, alone
+        best, best_rate, best_cost = [0] * n, alone, base
         slowest = not full and rows > 1  # one request: its rate is the step's
         # NOTE: most of the rest where drafting does not pay ends here, before the choices are costed one by one
         # (the bound holds whatever the readings cost: they only add)
         pays = self.costs.may_pay(a, rows, base, ways, slowest)
         start = [self.startup(r) for r in requests] if pays else []
         for k in range(1, self.cap + 1) if pays else ():
-            lengths, rate, _ = self.costs.slowest_at(k, a, rows, base, ways, start) if slowest else \
+            lengths, rate, cost = self.costs.slowest_at(k, a, rows, base, ways, start) if slowest else \
                 self.costs.best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
-                best, best_rate = lengths, rate
+                best, best_rate, best_cost = lengths, rate, cost
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
         # start again, its evidence fading in between. A choice in which a request must first read its text starts
         # that request: its reading is paid in full at once, where the model charges a share a step, and the
@@ -263,13 +269,16 @@ class RowDraftLengths:
             measured = self.measured.get(rows, UNMEASURED)
             if measured.alone_wanted():
                 return self._alone(n, requests)  # the target alone measured at this size too
-            if not measured.drafting_loses(rows):
+            # what the lengths add to the step as the step pays it: readings in full, not the share a step
+            self.added = best_cost - base + sum(self.costs.read(r.unread) - si if self.costs.reads(r.unread) else -si
+                                                for r, si, x in zip(requests, start, best, strict=True) if x)
+            if best_rate >= (1 + margin) * alone * measured.cost_miss():
                 if self.probing:
                     self.probing = False
                     self.alone_run = Fallback.PROBE_DRAFT_FIRST
                 return self._drafting(best, requests)
-            # NOTE: the model says drafting pays, the steps at this size say it does not: the model misses a cost
-            # here (a fit carried from other sizes; vLLM's own work per proposal), and the measurement wins
+            # NOTE: the model says drafting pays, the steps at this size say that it misses a cost here (a fit
+            # carried from other sizes; vLLM's own work per proposal) by more than the gain: the measurement wins
             blocked = best
         # nothing pays: the target alone, but a probe drafts once every alone_run steps
         # NOTE: whatever stopped drafting here (the model, its margin, the measurement), the steps that follow at
@@ -292,8 +301,10 @@ class RowDraftLengths:
             self.probing, self.probes, self.probed = True, self.probes + 1, True
             if blocked is not None:
                 return self._drafting(blocked, requests)
+            self.added = None  # a one-request probe: not the model's choice, not counted
             probe = max(range(n), key=lambda i: requests[i].idle)
             return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests, "probe")
+        self.added = None
         return self._alone(n, requests)
 
     def _probe_due(self) -> bool:
