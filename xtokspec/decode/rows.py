@@ -117,7 +117,7 @@ class RowDraftLengths:
         self.alone_seen = False  # a step without proposals has been measured
         self.quiet_size: tuple | None = None  # (rows, requests, full) where nothing was last chosen to draft
         self.quiet_left = 0  # steps at that size before it is costed again
-        self.quiet_blocked = False  # there, the model chose drafting and only the measured arms stopped it
+        self.quiet_blocked = False  # there, the model chose drafting and only the measured cost miss stopped it
 
     # -------------------------------------------------------------------------------- what was measured
     def observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
