@@ -2,7 +2,7 @@
 0fad9a2's proposer): the fixture pair on one engine with xtokspec's proposer, batch 1 and 4 served as
 vllm_bench.py does, then batch 8 twice. Each policy call is logged with the requests' rates, the fitted costs,
 each request's reading charge, whether the bound `may_pay` let it be costed, the model's best rate over the
-target alone's, and the measured arms at that size (`drafting_loses`); each step and call with their seconds
+target alone's, and the measured arms at that size (`drafting_loses`; `cost_miss` where the policy has it); each step and call with their seconds
 (`why.json.gz`). `summary()` pairs each call's choice with its call's seconds and the next step's, by requests in a
 step: predicted against realized seconds and tokens for drafting calls, the fitted step against the realized one
 for quiet calls (`output-why.txt`).
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
+ROOT = HERE.parents[4]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import vllm_bench as vb  # noqa: E402
@@ -56,7 +56,8 @@ def record(log: list) -> None:
             info.update(a=[round(x, 3) for x in a], base=base * 1e3, cost=best_cost * 1e3,
                         start=[round(s * 1e3, 2) for s in start], unread=[q.unread for q in requests],
                         pays=self.costs.may_pay(a, r, base, ways, slowest), model=round(best_rate / alone, 3),
-                        loses=measured.drafting_loses(r))
+                        loses=measured.drafting_loses(r),
+                        miss=round(measured.cost_miss(), 3) if hasattr(measured, "cost_miss") else None)
         out = lengths(self, requests, rows, ways, full)
         log.append(dict(rows=rows, n=n, out=out, chose=self.chose, probed=self.probed, **info))
         return out

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
+ROOT = HERE.parents[4]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import vllm_bench as vb  # noqa: E402

@@ -1,6 +1,7 @@
 """Each policy call at one batch size of a `steps_why.py` log, one line each: the requests, the lengths chosen, the
 choice ("drafting", "alone", "cold", "probe"; P: a probe), each request's rate, the model's best rate over the target
-alone's, whether the measured arms at that size say drafting loses, each request's unread ids and reading charge (ms).
+alone's, whether the measured arms at that size say drafting loses in tokens per second, the measured cost miss
+there (where the log has it), each request's unread ids and reading charge (ms).
 
     python benchmarks/results/xeon-avx512bf16/vllm-adaptive/why/calls.py why-real.json.gz [--batch 1]
 """
@@ -24,7 +25,8 @@ def main() -> None:
             size = event["size"]
         elif event.get("ev") is None and size == batch:
             print(event["n"], event["out"], event["chose"], "P" if event["probed"] else "-", event.get("a"),
-                  event.get("model"), "loses" if event.get("loses") else "-", event.get("unread"), event.get("start"))
+                  event.get("model"), "loses" if event.get("loses") else "-", event.get("miss", "-"), event.get("unread"),
+                  event.get("start"))
 
 
 if __name__ == "__main__":
