@@ -294,6 +294,24 @@ def test_drafting_starts_only_past_the_margin_and_goes_on_below_it():
     assert policy.lengths([good], 1) == [1]
 
 
+def test_the_seconds_a_choice_is_predicted_to_add_count_a_reading_in_full():
+    """What a drafting choice is predicted to add to the step, against which its step is measured: the extra
+    proposal's 1 ms, the draft forward's 3 ms and, for a request that reads 40 ids first, the whole 0.4-ms reading
+    (the choice itself charges a share of it a step). A choice of the target alone adds nothing."""
+    policy = near_the_margin(read=True)
+    good = Acceptance(successes=40.0, failures=60.0, age=100)
+    policy.since_draft = 5
+    assert policy.lengths([good], 1) == [1]
+    assert policy.added == pytest.approx(0.001 + 0.003, rel=1e-3)
+    reading = Acceptance(successes=40.0, failures=60.0, age=100, unread=40)
+    policy.since_draft = policy.quiet_left = 0
+    assert policy.lengths([reading], 1) == [1]
+    assert policy.added == pytest.approx(0.001 + 0.003 + 0.0004, rel=1e-3)
+    policy.since_draft = 5
+    assert policy.lengths([Acceptance(successes=1.0, failures=99.0)], 1) == [0]
+    assert policy.added is None
+
+
 def test_a_request_that_must_first_read_its_text_starts_only_past_the_margin():
     """The same measured costs, drafting at the last step: the marginal request goes on below the margin, but the
     same request with 40 ids to read first (a new request, or one that stopped drafting; its reading measured at
