@@ -270,8 +270,9 @@ class RowDraftLengths:
             if measured.alone_wanted():
                 return self._alone(n, requests)  # the target alone measured at this size too
             # what the lengths add to the step as the step pays it: readings in full, not the share a step
-            self.added = best_cost - base + sum(self.costs.read(r.unread) - si if self.costs.reads(r.unread) else -si
-                                                for r, si, x in zip(requests, start, best, strict=True) if x)
+            self.added = best_cost - base + sum(
+                (self.costs.read(r.unread) if self.costs.reads(r.unread) else 0.0) - si
+                for r, si, x in zip(requests, start, best, strict=True) if x)
             if best_rate >= (1 + margin) * alone * measured.cost_miss():
                 if self.probing:
                     self.probing = False
@@ -301,10 +302,9 @@ class RowDraftLengths:
             self.probing, self.probes, self.probed = True, self.probes + 1, True
             if blocked is not None:
                 return self._drafting(blocked, requests)
-            self.added = None  # a one-request probe: not the model's choice, not counted
             probe = max(range(n), key=lambda i: requests[i].idle)
             return self._drafting([self.cap if i == probe else 0 for i in range(n)], requests, "probe")
-        self.added = None
+        self.added = None  # the lengths the measurement blocked, if any, are not drafted
         return self._alone(n, requests)
 
     def _probe_due(self) -> bool:
