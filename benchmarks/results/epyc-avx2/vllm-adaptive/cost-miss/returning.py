@@ -1,6 +1,7 @@
 """Predicted against realized extra tokens of drafting calls, by whether the requests that drafted had text to read
-(new requests, and those that had stopped: what they committed while they did not draft) or went on drafting, from a policy log written by
-`b8-steps/steps_why.py` (default: the Xeon's fixture log, `xeon-avx512bf16/vllm-adaptive/cost-miss/why/`).
+(new requests, and those that had stopped: what they committed while they did not draft) or went on drafting, from
+a policy log written by `b8-steps/steps_why.py` (default: the Xeon's fixture log,
+`xeon-avx512bf16/vllm-adaptive/cost-miss/why/`).
 A call's extra tokens: those committed beyond one per request; predicted from each drafting request's rate and
 length (`expected_tokens`), realized from the step that verified the call.
 
