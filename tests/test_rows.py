@@ -225,6 +225,19 @@ def test_not_adaptive_drafts_the_cap_for_every_request():
     assert policy.lengths([Acceptance()] * 3, 3) == [4, 4, 4]
 
 
+def test_a_cold_start_drafts_one_id_for_the_request_with_the_least_to_read():
+    """Before its costs are measured the policy has one request draft one id a step: the one with the fewest ids
+    left to read (a new request's draft first reads its prompt), and after its reading the same one. A server's
+    first batch then pays one reading, not one per request."""
+    policy = RowDraftLengths(3)
+    requests = [Acceptance(unread=n) for n in (40, 12, 25, 12)]
+    assert policy.lengths(requests, 4) == [0, 1, 0, 0]
+    assert policy.chose == "cold"
+    requests[1].unread = 0  # its draft has read its text
+    requests[3].unread = 13  # the others have committed one more id each
+    assert policy.lengths(requests, 4) == [0, 1, 0, 0]
+
+
 def test_the_cost_of_probing_is_bounded_where_drafting_never_pays():
     """Where drafting loses at every K, probes (one request drafting for a step) come at most once in 16 steps
     and cost at most ~PROBE_BUDGET of the time: the simulated loss against the target alone stays within 3% over 2,000

@@ -228,8 +228,8 @@ class RowDraftLengths:
         self.probed, self.chose, self.added = False, "none", None
         if not self.adaptive or not n:
             return [self.cap] * n
-        if self.steps < WARM_CYCLES or self.costs.drafted < WARM_CYCLES:  # cold: draft one id each, and measure
-            return self._drafting([1] * n, requests, "cold")
+        if self.steps < WARM_CYCLES or self.costs.drafted < WARM_CYCLES:  # cold: one request drafts one id
+            return self._drafting(self._cold(requests), requests, "cold")
         rows = max(rows, n)
         if not self.alone_seen:
             self.alone_seen = self.costs.alone_measured()
@@ -290,6 +290,17 @@ class RowDraftLengths:
             self.probing = False
             self.alone_run = min(2 * self.alone_run, self._probe_cap(a, rows, base, blocked))
         return self._nothing_pays(n, requests, blocked)
+
+    @staticmethod
+    def _cold(requests: Sequence[Acceptance]) -> list[int]:
+        """The cold start's lengths: one id for the request with the fewest ids left to read (after its first
+        reading, the same request), none for the others. What the policy needs first is measured so, a step's
+        cost with a proposal, a draft forward's, a reading's; a batched draft's is measured where one is first
+        chosen. Where every request drafted, each first read its text, a new request's prompt: at 8 requests on
+        the real pair a cold batch ran 0.82x the target alone, nearly all of it the eight readings (BENCHMARKS.md,
+        "vLLM")."""
+        first = min(range(len(requests)), key=lambda i: requests[i].unread)
+        return [1 if i == first else 0 for i in range(len(requests))]
 
     def _nothing_pays(self, n: int, requests: Sequence[Acceptance], blocked: list[int] | None = None) -> list[int]:
         """The target alone, or a probe where one is due (`blocked`: the lengths chosen where only the measurement
