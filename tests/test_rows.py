@@ -15,6 +15,7 @@ import pytest
 from xtokspec.decode import rows
 from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome, solve_small
 from xtokspec.decode.rows import RowDraftLengths
+from xtokspec.decode.stepcosts import StepCosts
 from xtokspec.types import expected_tokens
 
 
@@ -274,6 +275,36 @@ def test_the_cheaper_drafting_way_is_chosen_from_the_measured_costs_and_an_unmea
     assert policy.costs.way([3] * 8, ("batched",)) == "batched" and policy.costs.way([3] * 8, ("alone",)) == "alone"
     assert policy.costs.way([3, 0], both) == "alone"
     assert policy.costs.forward(8, 3, 24, both) == pytest.approx((0.012, "batched"))
+
+
+def test_a_batched_forward_not_yet_measured_costs_one_requests_forward():
+    """Before any batched draft forward is measured, 8 requests drafting 3 ids each in batched forwards are taken to
+    cost 3 of a request's own measured forwards (a batch costs no less than one of its rows), not nothing; once
+    batched forwards are measured, what they measured. The control, an unmeasured batch taken as free: 8 new
+    requests at a per-token rate of 0.2, a 0.8-s step and a 0.11-s draft forward, as a fresh engine's first batch
+    on the real pair, would then draft."""
+    policy = RowDraftLengths(3)
+    for _ in range(3):  # the first sample of each held back
+        policy.costs.observe_call(8, 1, 1, 1e-4 + 0.11, batched=False)
+        policy.costs.observe_call(8, 0, 0, 1e-4)
+    assert policy.costs.forward(8, 3, 24)[0] == pytest.approx(3 * 0.11, rel=1e-3)
+    for size, seconds in (((8, 0), 0.8), ((8, 8), 0.8 + 8 * 0.002), ((1, 0), 0.45), ((1, 1), 0.452)):
+        for _ in range(3):
+            policy.costs.target.observe(size, seconds)
+
+    def best_gain() -> float:  # the best lengths' predicted tokens per second over the target alone's
+        base = policy.costs.step(8, 0)
+        return max(policy.costs.best_at(k, [0.2] * 8, 8, base, 8 / base, ("batched",), [0.0] * 8)[1]
+                   for k in (1, 2, 3)) / (8 / base)
+
+    assert best_gain() < 1 + RowDraftLengths.MARGIN, best_gain()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepCosts, "batched", lambda self, m: self.draft(m))
+        assert policy.costs.forward(8, 3, 24)[0] == 0.0
+        assert best_gain() > 1 + RowDraftLengths.MARGIN, best_gain()
+    for _ in range(3):
+        policy.costs.observe_call(8, 8, 3, 1e-4 + 3 * 0.02, batched=True)
+    assert policy.costs.forward(8, 3, 24)[0] == pytest.approx(3 * 0.02, rel=1e-2)
 
 
 def near_the_margin(read: bool = False) -> RowDraftLengths:
@@ -702,15 +733,23 @@ def test_a_drafting_run_is_measured_from_a_reading_to_the_next_one_or_the_reques
 def test_readings_of_prompts_of_different_lengths_are_measured():
     """Prompts' lengths rarely repeat: readings at 31, 37, 44 and 52 ids (as eight requests' prompts would) are
     measured, and eight new requests with 40 ids to read are not read at a small gain. The control, each reading
-    length's first sample held back (as for a server's step shapes), never measures one and reads them all."""
-    for each_size, read in ((False, False), (True, True)):
+    length's first sample held back (as for a server's step shapes), never measures one: a reading then counts as
+    free, and only the rule for unmeasured readings keeps the choice to one request's (`_one_reading`; without it,
+    all eight)."""
+    for each_size, read in ((False, 0), (True, 1)):
         policy = reading_server()
         policy.costs.read = LinearCosts(1, each_size=each_size)
         for ids in (31, 37, 44, 52):
             policy.costs.observe_read(ids, 0.00015 * ids)
         policy.since_alone = policy.since_draft = policy.quiet_left = 0
-        lengths = policy.lengths([Acceptance(unread=40) for _ in range(8)], 8)
-        assert all(lengths) if read else lengths == [0] * 8, (each_size, lengths)
+        requests = [Acceptance(unread=40 + i) for i in range(8)]
+        lengths = policy.lengths(requests, 8)
+        assert sum(x > 0 for x in lengths) == read and (not read or lengths[0]), (each_size, lengths)
+        if each_size:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(RowDraftLengths, "_one_reading", lambda self, lengths, requests: lengths)
+                policy.since_alone = policy.since_draft = policy.quiet_left = 0
+                assert all(policy.lengths(requests, 8))
     assert RowDraftLengths(3).costs.read.each_size is False
 
 

@@ -257,6 +257,8 @@ class RowDraftLengths:
                 self.costs.best_at(k, a, rows, base, best_rate, ways, start)
             if rate > best_rate:
                 best, best_rate, best_cost = lengths, rate, cost
+        if not self.costs.read_measured():
+            best = self._one_reading(best, requests)
         # NOTE: the margin to start drafting, not to go on: a request whose estimate wavers near it would stop and
         # start again, its evidence fading in between. A choice in which a request must first read its text starts
         # that request: its reading is paid in full at once, where the model charges a share a step, and the
@@ -296,11 +298,19 @@ class RowDraftLengths:
         """The cold start's lengths: one id for the request with the fewest ids left to read (after its first
         reading, the same request), none for the others. What the policy needs first is measured so, a step's
         cost with a proposal, a draft forward's, a reading's; a batched draft's is measured where one is first
-        chosen. Where every request drafted, each first read its text, a new request's prompt: at 8 requests on
-        the real pair a cold batch ran 0.82x the target alone, nearly all of it the eight readings (BENCHMARKS.md,
-        "vLLM")."""
+        chosen. Were every request to draft, each would first read its text, a new request its prompt: a server
+        started under a batch of requests would read them all in its first steps (`_one_reading`)."""
         first = min(range(len(requests)), key=lambda i: requests[i].unread)
         return [1 if i == first else 0 for i in range(len(requests))]
+
+    def _one_reading(self, lengths: list[int], requests: Sequence[Acceptance]) -> list[int]:
+        """`lengths` with at most one request that must first read its text, the one with the least to read, while
+        no reading has been measured: an unmeasured cost counts as none (optimism: tried, then measured), and on
+        that belief a fresh server's first batch of 8 read every prompt at once, 0.82x the target alone with
+        SmolLM2-135M for the real target (BENCHMARKS.md, "vLLM")."""
+        readers = [i for i, (x, r) in enumerate(zip(lengths, requests, strict=True)) if x and self.costs.reads(r.unread)]
+        keep = min(readers, key=lambda i: requests[i].unread, default=None)
+        return [0 if i in readers and i != keep else x for i, x in enumerate(lengths)]
 
     def _nothing_pays(self, n: int, requests: Sequence[Acceptance], blocked: list[int] | None = None) -> list[int]:
         """The target alone, or a probe where one is due (`blocked`: the lengths chosen where only the measurement

@@ -38,8 +38,10 @@ The costs are kept as recent samples per size (requests and proposals in a step;
 and fitted as a plane (a line) through the sizes' medians, each weighted by its samples (`measures.LinearCosts`):
 a server's steps come at many sizes with few samples each, noisy one by one, and samples kept per size keep a
 slope measured however long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes
-seen cannot show is taken as 0 (optimism: drafting is tried, then measured). Most calls where drafting does not
-pay end at a bound (`may_pay`), before any lengths are costed.
+seen cannot show is taken as 0 (optimism: drafting is tried, then measured), but a batched draft forward not yet
+measured costs what one request's forward measured: a batch costs no less than one of its rows, and taken as free
+it had a fresh engine's first batch of requests draft, each first reading its prompt, at any rate. Most calls
+where drafting does not pay end at a bound (`may_pay`), before any lengths are costed.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class StepCosts:
         if self.reads(ids):
             self.read.observe((ids,), seconds)
 
+    def read_measured(self) -> bool:
+        """Whether a reading's cost has been measured (the first of all is held back: `LinearCosts`)."""
+        return bool(self.read.times)
+
     def reads(self, ids: int) -> bool:
         """Whether `ids` unread ids are a reading of their own: more than a drafting request reads each step (its
         accepted proposals and one more, read with its draft forwards)."""
@@ -100,14 +106,22 @@ class StepCosts:
         """target_B(p): a step's seconds, from the plane fitted to the steps measured."""
         return self.target(rows, proposals)
 
+    def batched(self, drafting: int) -> float:
+        """A batched draft forward's seconds over `drafting` requests: as measured, and before any batched forward
+        is, one request's own forward (a batch costs no less than one of its rows). Taken as free instead, a fresh
+        engine's first batch of 8 requests drafted at a per-token rate of 0.2 and each request's draft read its
+        prompt first (SmolLM2-135M for the real target: 0.79-0.82x the target alone,
+        `benchmarks/results/epyc-avx2/vllm-adaptive/cold-start/`)."""
+        return self.draft(drafting) if self.draft.times else self.draft_alone(1)
+
     def forward(self, drafting: int, k: int, ids: int, ways: tuple[str, ...] = ("batched",)) -> tuple[float, str]:
         """The draft's seconds beyond a quiet call when `drafting` requests draft `ids` ids, at most k each, and
         the cheaper of `ways`: "batched" (k forwards over all of them at once) or "alone" (each request's own
         forwards, `ids` in all). One request drafts alone. A way not measured yet costs 0 (optimism: it is
-        tried, then measured)."""
+        tried, then measured), except a batched forward where a lone one is measured (`batched`)."""
         if drafting <= 1 or "batched" not in ways:
             return ids * self.draft_alone(max(drafting, 1)), "alone"
-        batched = k * self.draft(drafting)
+        batched = k * self.batched(drafting)
         if "alone" not in ways:
             return batched, "batched"
         alone = ids * self.draft_alone(drafting)
@@ -174,7 +188,7 @@ class StepCosts:
         least = self.draft_alone(1)
         n = len(a)
         if n > 1 and "batched" in ways:
-            least = min(least, self.draft(2) / 2, self.draft(n) / n)
+            least = min(least, self.batched(2) / 2, self.batched(n) / n)
         slope = self.step(rows, 1) - base
         if slowest:
             if rows > n:
