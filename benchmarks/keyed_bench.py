@@ -108,9 +108,10 @@ def noise_cost(vocab: int, device: str = "cpu", rows: int = 5, repeats: int = 20
     return statistics.median(times)
 
 
-def summarise(runs: dict[str, list[list[dict]]]) -> tuple[dict, dict]:
+def summarise(runs: dict[str, list[list[dict]]], fixed_k: bool = False) -> tuple[dict, dict]:
     """Per system, the median over prompts of tokens/s (a prompt's median over rounds) and the mean tokens per
-    call; per pair of systems, the paired ratios' median and 95% lower bound, of speed and of calls per second."""
+    call; per pair of systems, the paired ratios' median and 95% lower bound, of speed and of calls per second;
+    at a fixed K, keyed one-hot over one-hot's speed with acceptance as a control variate (`controlled`)."""
     from common import lower_bound
 
     summary = {}
@@ -127,7 +128,41 @@ def summarise(runs: dict[str, list[list[dict]]]) -> tuple[dict, dict]:
                       for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
             pairs[f"{name}/{other}{label}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios),
                                                "prompts": len(ratios)}
+    if fixed_k and {"keyed_onehot", "onehot"} <= set(runs):
+        speed, per_call = ([k[m] / o[m] for k, o in zip(summary["keyed_onehot"]["per_prompt"],
+                                                        summary["onehot"]["per_prompt"], strict=True)]
+                           for m in ("tokens_per_s", "calls_per_s"))
+        estimate, lower = controlled(speed, per_call)
+        pairs["keyed_onehot/onehot, acceptance controlled"] = {"mean": estimate, "lower95": lower,
+                                                               "prompts": len(speed)}
     return summary, pairs
+
+
+def controlled(speed: list[float], per_call: list[float], seed: int = 0) -> tuple[float, float]:
+    """Paired per-prompt ratios of speed and of target calls per second (keyed one-hot over one-hot, the draft's
+    greedy ids at a fixed K) -> the expected speed ratio, estimated with the ratio of tokens per target call as a
+    control variate, and its one-sided 95% bootstrap lower bound (percentile, fixed rng).
+
+    Speed is tokens per call times calls per second, so log(speed ratio) = X + log(per-call ratio) with X the log
+    of the tokens-per-call ratio. Under the two rules a generation's target calls are a function of its text, and
+    both texts follow the target's law (reference/keyed.py, item 7): the two counts are independent draws of one
+    law, and X has mean zero. The estimate is exp(mean(log speed) - beta mean(X)), beta fitted by least squares
+    (the textbook control variate): it keeps the expected speed ratio and drops the variance that the two texts'
+    own luck adds to each prompt. Elsewhere (adaptive lengths, random drafts, other rules) X's mean is not known
+    to be zero, and this estimate does not apply."""
+    import numpy as np
+    from scipy import stats
+
+    def estimate(log_speed, x):
+        beta = np.cov(x, log_speed)[0, 1] / np.var(x, ddof=1) if np.var(x) > 0 else 0.0
+        return float(np.exp(np.mean(log_speed) - beta * np.mean(x)))
+
+    log_speed = np.log(np.asarray(speed, dtype=float))
+    x = log_speed - np.log(np.asarray(per_call, dtype=float))
+    result = stats.bootstrap((log_speed, x), estimate, paired=True, vectorized=False, confidence_level=0.95,
+                             alternative="greater", method="percentile", n_resamples=9999,
+                             rng=np.random.default_rng(seed))
+    return estimate(log_speed, x), float(result.confidence_interval.low)
 
 
 def report(header: str, summary: dict, pairs: dict, costs: dict | None) -> list[str]:
@@ -135,7 +170,7 @@ def report(header: str, summary: dict, pairs: dict, costs: dict | None) -> list[
     lines += [f"| {name} | {summary[name]['tokens_per_s']:.2f} | {summary[name]['tokens_per_call']:.2f} |"
               for name in summary]
     lines += ["", "| paired per prompt | median | 95% lower |", "|---|---|---|"]
-    lines += [f"| {k} | {v['median']:.3f} | {v['lower95']:.3f} |" for k, v in pairs.items()]
+    lines += [f"| {k} | {v.get('median', v.get('mean')):.3f} | {v['lower95']:.3f} |" for k, v in pairs.items()]
     if costs:
         lines += ["", f"keyed noise for 5 positions: {costs['noise_s_5_rows'] * 1e3:.2f} ms over {costs['vocab']} ids, "
                   f"{costs['noise_s_5_rows_151936'] * 1e3:.2f} ms over 151,936 (Qwen's vocabulary)"]
@@ -160,7 +195,7 @@ def pool(paths: list[Path], out: Path) -> None:
         if sorted(data["runs"]) != sorted(loaded[0]["runs"]):
             raise SystemExit(f"--pool: {path} ran {sorted(data['runs'])}, {paths[0]} {sorted(loaded[0]['runs'])}")
     runs = {name: [rounds for data in loaded for rounds in data["runs"][name]] for name in loaded[0]["runs"]}
-    summary, pairs = summarise(runs)
+    summary, pairs = summarise(runs, fixed_k="every cycle" in loaded[0]["header"])
     count = len(next(iter(runs.values())))
     header = ", ".join(f"{count} prompts x {x.split(' prompts x ')[1].split(' (from')[0]}" if "prompts x" in x else x
                        for x in settings[0]) + f"; {len(paths)} runs pooled"
@@ -215,7 +250,7 @@ def main() -> None:
                                       "drafted": s.drafted, "accepted": s.accepted, "ids": result.token_ids})
                 progress.update()
     progress.close()
-    summary, pairs = summarise(runs)
+    summary, pairs = summarise(runs, fixed_k=args.fixed_k is not None)
     vocab = spec.target_model.config.vocab_size
     costs = {"vocab": vocab, "noise_s_5_rows": noise_cost(vocab, args.device),
              "noise_s_5_rows_151936": noise_cost(151936, args.device)}

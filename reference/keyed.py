@@ -40,11 +40,28 @@ Proof sketch.
    to y, so the root level is accepted with P(y among the W), at least item 5's chance and growing with W
    (`coupled_roots_hit` counts it over seeds); drawn apart from the noise, it is sum over the W of p(v) only.
    Item 2 holds whatever the candidates: the text is the target alone's.
+7. Target calls are a function of the text. Let a draft propose its K greedy ids, a fixed function of the
+   committed text, every cycle. Under either rule a cycle accepts exactly the longest common prefix of its
+   proposals and the tokens it emits: the keyed rule accepts x_i iff x_i = y_i and emits y_i (item 2); the
+   one-hot rejection rule, on rejecting x_i, emits a draw from p_i with x_i removed, never x_i. So the cycles'
+   starts, and the number of target calls c(T) that emit a text T, are fixed by T alone (`greedy_calls`).
+   Both rules emit texts of the target's law (item 2; Leviathan et al. for the one-hot rule), so c(T) has one
+   law under both. Timed per prompt, the keyed rule's speed over the one-hot rule's is (calls_onehot /
+   calls_keyed) x (calls per second, keyed / one-hot); the first factor's two counts are independent with one
+   law, so its logarithm has mean zero: the second factor alone estimates the expected ratio of speeds, without
+   the two texts' luck (a control variate whose mean is known). This needs the proposals to be the draft's
+   greedy ids at a fixed K: drafts drawn at random, or lengths chosen from timings, make the calls depend on
+   more than the text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+from reference.exact import truncate_at_eos
+from reference.rejection import onehot_block
 
 MASK = np.uint64(0xFFFFFFFF)
 SEED_SALT, POSITION_MUL, TOKEN_MUL = 0x9E3779B9, 0x27D4EB2F, 0x165667B1
@@ -122,3 +139,52 @@ def coupling_bound(p: np.ndarray, q: np.ndarray) -> float:
     """(1 - TV) / (1 + TV): Daliri et al.'s lower bound on the coupled draws' chance of matching."""
     tv = 0.5 * float(np.abs(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64)).sum())
     return (1.0 - tv) / (1.0 + tv)
+
+
+def greedy_proposals(draft_lm, context: Sequence[int], k: int) -> list[int]:
+    """The draft's K greedy ids after `context` (item 7's draft: a fixed function of the committed text)."""
+    drafted: list[int] = []
+    for _ in range(k):
+        drafted.append(int(np.argmax(draft_lm.next_probs(list(context) + drafted))))
+    return drafted
+
+
+def greedy_chain_generate(target_lm, draft_lm, prefix: Sequence[int], length: int, k: int, rule: str,
+                          seed: int) -> tuple[tuple[int, ...], int]:
+    """Speculative decoding over table LMs (reference/exact.py's `TableLM`) with the draft's K greedy ids every
+    cycle, verified by `rule` ("keyed": `keyed_verify` with `seed`; "onehot": the one-hot rejection rule,
+    `rejection.onehot_block`, on a generator seeded with `seed`) -> (the first `length` tokens, cut after EOS; the
+    target calls it took)."""
+    if rule not in ("keyed", "onehot"):
+        raise ValueError(f"rule must be 'keyed' or 'onehot', got {rule!r}")
+    rng = np.random.default_rng(seed)
+    generated: list[int] = []
+    calls = 0
+    while len(generated) < length and target_lm.eos_id not in generated:
+        context = list(prefix) + generated
+        proposals = greedy_proposals(draft_lm, context, k)
+        p_rows = np.stack([target_lm.next_probs(context + proposals[:i]) for i in range(k + 1)])  # (K+1, V)
+        calls += 1
+        if rule == "keyed":
+            accepted, token = keyed_verify(p_rows, proposals, seed, len(generated))
+            generated += proposals[:accepted] + [token]
+        else:
+            result = onehot_block(p_rows, np.asarray(proposals), rng.random(k),
+                                  rng.standard_exponential(p_rows.shape))
+            generated += result.tokens
+    return truncate_at_eos(generated, length, target_lm.eos_id), calls
+
+
+def greedy_calls(text: Sequence[int], draft_lm, prefix: Sequence[int], k: int) -> int:
+    """Item 7's c(T): the target calls that a chain of the draft's K greedy ids a cycle takes to emit `text`
+    (a generation's tokens, cut at its length or after EOS), under either rule: each cycle accepts the longest
+    common prefix of its proposals and the text, then emits one token more."""
+    text = list(text)
+    start = calls = 0
+    while start < len(text):
+        proposals = greedy_proposals(draft_lm, list(prefix) + text[:start], k)
+        ahead = text[start:start + k]  # shorter than k where the text ends
+        accepted = next((i for i, (x, y) in enumerate(zip(proposals, ahead, strict=False)) if x != y), len(ahead))
+        start += accepted + 1
+        calls += 1
+    return calls

@@ -227,3 +227,49 @@ def test_coupled_tree_roots_hit_the_target_sample_more_often_than_roots_drawn_ap
             apart.append(sum(p[y] * np.mean((top == y).any(axis=1)) for y in range(vocab)))
         assert np.mean(coupled) >= np.mean(apart) + 0.15, (width, np.mean(coupled), np.mean(apart))
         assert min(np.subtract(coupled, apart)) >= -0.05, width
+
+
+def _pair_of_tables(rng, vocab=5, eos=4):
+    """A target table and a draft that half agrees with it (their rows mixed half and half)."""
+    target = TableLM.random(vocab, 1, eos, rng)
+    other = TableLM.random(vocab, 1, eos, rng)
+    return target, TableLM(0.5 * target.table + 0.5 * other.table, eos)
+
+
+@pytest.mark.parametrize("rule", ["keyed", "onehot"])
+def test_target_calls_are_a_function_of_the_text_under_both_rules(rule):
+    """reference/keyed.py, item 7: with the draft's K greedy ids every cycle, every generation's target calls are
+    the c(T) of its own text (`greedy_calls`), under the keyed rule and the one-hot rejection rule alike, over 8
+    pairs of tables x 3 draft lengths x 40 seeds; the rules accept between none and all of K somewhere."""
+    from reference.keyed import greedy_calls, greedy_chain_generate
+
+    rng = np.random.default_rng(29)
+    accepted_share = []
+    for _ in range(8):
+        target, draft = _pair_of_tables(rng)
+        for k in (1, 2, 4):
+            for seed in range(40):
+                text, calls = greedy_chain_generate(target, draft, [0], 12, k, rule, seed)
+                assert calls == greedy_calls(text, draft, [0], k), (rule, k, seed, text)
+                accepted_share.append((len(text) - calls) / (k * calls))
+    assert 0.1 < np.mean(accepted_share) < 0.9
+
+
+def test_a_rejection_that_may_emit_the_rejected_id_breaks_calls_as_a_function_of_the_text(monkeypatch):
+    """The negative control of item 7: a one-hot rule that, on rejecting x, draws from p with x left in (its text's
+    law is wrong too) may emit x after rejecting it, so its calls are no longer c(T) for some seeds."""
+    import reference.keyed as keyed
+    from reference.rejection import BlockResult, sample_race
+
+    def rejection_keeping_the_guess(target_probs, draft_tokens, uniforms, noise):
+        for i, token in enumerate(draft_tokens.tolist()):
+            if uniforms[i] >= target_probs[i][token]:
+                recovered = sample_race(target_probs[i], noise[i])  # x not removed
+                return BlockResult(draft_tokens[:i].tolist() + [recovered], i, recovered, None)
+        bonus = sample_race(target_probs[-1], noise[-1])
+        return BlockResult(draft_tokens.tolist() + [bonus], len(draft_tokens), None, bonus)
+
+    monkeypatch.setattr(keyed, "onehot_block", rejection_keeping_the_guess)
+    target, draft = _pair_of_tables(np.random.default_rng(29))
+    runs = [keyed.greedy_chain_generate(target, draft, [0], 12, 2, "onehot", seed) for seed in range(40)]
+    assert any(calls != keyed.greedy_calls(text, draft, [0], 2) for text, calls in runs)
