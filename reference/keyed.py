@@ -46,12 +46,12 @@ Proof sketch.
    one-hot rejection rule, on rejecting x_i, emits a draw from p_i with x_i removed, never x_i. So the cycles'
    starts, and the number of target calls c(T) that emit a text T, are fixed by T alone (`greedy_calls`).
    Both rules emit texts of the target's law (item 2; Leviathan et al. for the one-hot rule), so c(T) has one
-   law under both. Timed per prompt, the keyed rule's speed over the one-hot rule's is (calls_onehot /
-   calls_keyed) x (calls per second, keyed / one-hot); the first factor's two counts are independent with one
-   law, so its logarithm has mean zero: the second factor alone estimates the expected ratio of speeds, without
-   the two texts' luck (a control variate whose mean is known). This needs the proposals to be the draft's
-   greedy ids at a fixed K: drafts drawn at random, or lengths chosen from timings, make the calls depend on
-   more than the text.
+   law under both, and so has the tokens per call, len(T) / c(T). Timed per prompt, the keyed rule's speed over
+   the one-hot rule's is (tokens per call, keyed / one-hot) x (calls per second, keyed / one-hot); the first
+   factor's two terms are independent draws of one law, so its logarithm has mean zero: the second factor alone
+   estimates the expected ratio of speeds, without the two texts' luck (a control variate whose mean is
+   known). This needs the proposals to be the draft's greedy ids at a fixed K: drafts drawn at random, or
+   lengths chosen from timings, make the calls depend on more than the text.
 """
 
 from __future__ import annotations
