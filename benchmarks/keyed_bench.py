@@ -121,18 +121,17 @@ def summarise(runs: dict[str, list[list[dict]]], fixed_k: bool = False) -> tuple
                 "calls_per_s": statistics.median(x["calls"] / x["seconds"] for x in rounds)} for rounds in per_prompt]
         summary[name] = {"tokens_per_s": statistics.median(p["tokens_per_s"] for p in per),
                          "tokens_per_call": statistics.mean(p["tokens_per_call"] for p in per), "per_prompt": per}
-    pairs = {}
+    pairs, ratios = {}, {}
     for name, other in [pair for pair in PAIRS if set(pair) <= set(runs)]:
         for measure, label in (("tokens_per_s", ""), ("calls_per_s", " per call")):
-            ratios = [k[measure] / o[measure]
-                      for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
-            pairs[f"{name}/{other}{label}"] = {"median": statistics.median(ratios), "lower95": lower_bound(ratios),
-                                               "prompts": len(ratios)}
-    if fixed_k and {"keyed_onehot", "onehot"} <= set(runs):
-        speed, per_call = ([k[m] / o[m] for k, o in zip(summary["keyed_onehot"]["per_prompt"],
-                                                        summary["onehot"]["per_prompt"], strict=True)]
-                           for m in ("tokens_per_s", "calls_per_s"))
-        estimate, lower = controlled(speed, per_call)
+            these = ratios[name, other, measure] = [
+                k[measure] / o[measure]
+                for k, o in zip(summary[name]["per_prompt"], summary[other]["per_prompt"], strict=True)]
+            pairs[f"{name}/{other}{label}"] = {"median": statistics.median(these), "lower95": lower_bound(these),
+                                               "prompts": len(these)}
+    if fixed_k and ("keyed_onehot", "onehot", "tokens_per_s") in ratios:
+        speed = ratios["keyed_onehot", "onehot", "tokens_per_s"]
+        estimate, lower = controlled(speed, ratios["keyed_onehot", "onehot", "calls_per_s"])
         pairs["keyed_onehot/onehot, acceptance controlled"] = {"mean": estimate, "lower95": lower,
                                                                "prompts": len(speed)}
     return summary, pairs

@@ -240,7 +240,8 @@ def _pair_of_tables(rng, vocab=5, eos=4):
 def test_target_calls_are_a_function_of_the_text_under_both_rules(rule):
     """reference/keyed.py, item 7: with the draft's K greedy ids every cycle, every generation's target calls are
     the c(T) of its own text (`greedy_calls`), under the keyed rule and the one-hot rejection rule alike, over 8
-    pairs of tables x 3 draft lengths x 40 seeds; the rules accept between none and all of K somewhere."""
+    pairs of tables x 3 draft lengths x 40 seeds; on average they accept between 10% and 90% of the K
+    drafted ids (neither never nor always, where the identity would hold trivially)."""
     from reference.keyed import greedy_calls, greedy_chain_generate
 
     rng = np.random.default_rng(29)
