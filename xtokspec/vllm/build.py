@@ -11,10 +11,10 @@ import torch
 
 from ..decode import assemble
 from ..runtime.kv import position_bytes, sliding_layers
-from ..runtime.models import choose_draft_vocab, eos_ids, load, trimmed_draft
+from ..runtime.models import choose_draft_vocab, eos_ids, int8_linears, load, trimmed_draft
 from ..text.codec import TokenCodec
 from ..types import XTokSpecError, is_int
-from .settings import CACHE_KEY, GRAPHS_KEY, TRIM_SIZE_KEY, TRIM_TEXT_KEY, ProposerSettings
+from .settings import CACHE_KEY, GRAPHS_KEY, LINEARS_KEY, TRIM_SIZE_KEY, TRIM_TEXT_KEY, ProposerSettings
 
 log = logging.getLogger("xtokspec")
 
@@ -70,6 +70,15 @@ def trim(pair: assemble.Pair, draft_model, path, size) -> tuple[torch.nn.Module,
     vocab = choose_draft_vocab(pair.draft, texts, size, pair.draft_eos)
     log.info("xtokspec proposer: %s", vocab.describe())
     return trimmed_draft(draft_model, vocab.keep), vocab
+
+
+def int8(draft_model, device: torch.device) -> None:
+    """The draft's linears quantized to int8 (`runtime.models.int8_linears`: CPU only), logged."""
+    if device.type != "cpu":
+        raise XTokSpecError(f"{LINEARS_KEY}='int8' quantizes the draft's linears for the CPU; vLLM runs it on "
+                            f"{device}")
+    count = int8_linears(draft_model)
+    log.info("xtokspec proposer: %d of the draft's linears in int8 (%s)", count, LINEARS_KEY)
 
 
 @dataclass

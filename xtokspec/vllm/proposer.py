@@ -92,6 +92,8 @@ class TextBridgeProposer:
         if settings.trim_text:
             self.draft_model, self.draft_vocab = build.trim(self.pair, self.draft_model, settings.trim_text,
                                                             settings.trim_size)
+        if settings.linears == "int8":  # NOTE: after trimming, which slices the float head
+            build.int8(self.draft_model, self.draft_device)
         self.view = DraftView(self.target_tokenizer, self.draft_tokenizer)
         self.k = spec_config.num_speculative_tokens
         self.max_model_len = model_config.max_model_len

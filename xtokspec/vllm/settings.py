@@ -22,6 +22,10 @@ CACHE_LEN_KEY = "xtokspec_draft_cache_len"  # a static draft cache's positions (
 # a trimmed draft head (XTokSpec.trim_draft_vocab): the calibration text file its ids are chosen from, one text a
 # line, and how many ids it keeps (default 32768); no file: the full head
 TRIM_TEXT_KEY, TRIM_SIZE_KEY = "xtokspec_draft_vocab_text", "xtokspec_draft_vocab"
+# "int8": the draft's linears (its trimmed head too) quantized to int8 on the CPU (runtime.models.int8_linears), for a
+# draft whose step streams its float32 weights; default "torch": as loaded
+LINEARS_KEY = "xtokspec_draft_linears"
+DRAFT_LINEARS = ("torch", "int8")
 MEMORY_KEY = "xtokspec_draft_cache_mib"  # the requests' draft caches together, at most (default 1024 MiB)
 CHUNK_KEY = "xtokspec_prefill_chunk"  # ids a request's draft reads per step at most (a long prompt over several)
 # the most recent target ids of a request's text its draft reads when it is built (default: all): a draft reading
@@ -46,6 +50,7 @@ class ProposerSettings:
     cache_len: int | None = None  # None: 2 x vLLM's max_model_len, at least 256
     trim_text: str | None = None
     trim_size: int = 32768
+    linears: str = "torch"
     memory_mib: float = 1024
     prefill_chunk: int = 64
     read_ids: int | None = None  # None: a new request's draft reads its whole text (READ_KEY)
@@ -79,6 +84,12 @@ class ProposerSettings:
         trim_size = extra.get(TRIM_SIZE_KEY, 32768)
         if not is_int(trim_size) or trim_size < 1:
             raise XTokSpecError(f"{TRIM_SIZE_KEY}: a positive number of ids, got {trim_size!r}")
+        linears = extra.get(LINEARS_KEY) or "torch"
+        if linears not in DRAFT_LINEARS:
+            raise XTokSpecError(f"{LINEARS_KEY}: one of {', '.join(map(repr, DRAFT_LINEARS))}, got {linears!r}")
+        if linears == "int8" and dtype != torch.float32:
+            raise XTokSpecError(f"{LINEARS_KEY}='int8' quantizes a float32 draft: the draft loads in "
+                                f"{str(dtype).removeprefix('torch.')} (set {DTYPE_KEY}='float32')")
         chunk = extra.get(CHUNK_KEY, 64)
         if not is_int(chunk) or chunk < 1:
             raise XTokSpecError(f"{CHUNK_KEY}: a positive number of ids, got {chunk!r}")
@@ -93,7 +104,7 @@ class ProposerSettings:
             raise XTokSpecError(f"{IDLE_KEY}: a number of calls, 0 or more, got {idle!r}")
         return cls(draft=str(draft), dtype=dtype, batched=bool(extra.get(BATCHED_KEY, True)),
                    graphs=None if extra.get(GRAPHS_KEY) is None else bool(extra[GRAPHS_KEY]), cache=cache, cache_len=cache_len,
-                   trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, memory_mib=mib,
+                   trim_text=extra.get(TRIM_TEXT_KEY) or None, trim_size=trim_size, linears=linears, memory_mib=mib,
                    prefill_chunk=chunk, read_ids=read_ids, healing=bool(extra.get(HEALING_KEY, True)),
                    plain_steps=bool(extra.get(PLAIN_KEY, True)),
                    adaptive=bool(extra.get(ADAPTIVE_KEY, True)), idle_calls=idle)
