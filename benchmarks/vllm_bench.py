@@ -30,8 +30,8 @@ turns it off for every `custom_class` proposer: what that alone costs.
 (`xtokspec_adaptive: False`) against the default, draft lengths chosen per request and step (decode/rows.py).
 `xtokspec_trim`, `xtokspec_gemma_trim`: the draft's head trimmed to 32,768 ids chosen from
 fixtures/data/heldout.txt (`xtokspec_draft_vocab_text`), without the prompts this run times or warms up on.
-`xtokspec_int8`, `xtokspec_gemma_trim_int8`, `xtokspec_smollm2_int8`: the draft's linears (a trimmed head's too)
-quantized to int8 (`xtokspec_draft_linears`, float32 drafts on the CPU: `--dtype float32` for the real pair).
+`xtokspec_gemma_trim_int8`, `xtokspec_smollm2_int8`: the draft's linears (a trimmed head's too) quantized to
+int8 (`xtokspec_draft_linears`; float32 drafts on the CPU: `--dtype float32`).
 `xtokspec_gemma_trim_recent`: a new request's draft reads only the most recent `RECENT` target ids of its text
 (`xtokspec_draft_read`), not all of it (the fixtures' prompts are shorter than that).
 
@@ -129,7 +129,6 @@ def preset(name: str, k: int) -> dict:
             "xtokspec": bridged(str(MODELS / "ja-draft-bpe")),
             "xtokspec_fixed": bridged(str(MODELS / "ja-draft-bpe"), adaptive=False),
             "xtokspec_trim": bridged(str(MODELS / "ja-draft-bpe"), calibration="heldout.txt"),
-            "xtokspec_int8": bridged(str(MODELS / "ja-draft-bpe"), linears="int8"),
             "xtokspec_unbatched": bridged(str(MODELS / "ja-draft-bpe"), batched=False),
             "xtokspec_unhealed": bridged(str(MODELS / "ja-draft-bpe"), healing=False),
             "null": {"speculative_config": {"method": "custom_class", "model": "common.NullProposer",
