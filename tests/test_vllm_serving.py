@@ -462,3 +462,14 @@ def test_an_int8_draft_drafts_and_leaves_the_output_the_targets(ja_target, heldo
             "xtokspec_draft_linears": "int8", "xtokspec_draft_dtype": "bfloat16"}))
     with pytest.raises(XTokSpecError, match="xtokspec_draft_linears"):
         TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_draft_linears": "int4"}))
+
+
+def test_an_int8_draft_is_refused_off_the_cpu():
+    """`xtokspec_draft_linears="int8"` is torch's CPU quantization: a draft vLLM runs elsewhere is refused by name
+    (before any module is touched)."""
+    from xtokspec.vllm import build
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(XTokSpecError, match="xtokspec_draft_linears.*cuda"):
+        build.int8(model, torch.device("cuda"))
+    assert type(model[0]) is torch.nn.Linear
