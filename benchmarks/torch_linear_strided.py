@@ -5,7 +5,7 @@ slower when its weight does not require grad and its 3-D input is a slice of the
 HF causal LMs pass exactly that slice to their head after a multi-token forward (`hidden_states[:, -k:, :]`,
 logits_to_keep=k), so a model whose weights were frozen (`model.requires_grad_(False)`, common in inference
 code) pays it at every verification; a model as loaded (weights require grad) does not. A head built from
-copied rows (xtokspec.runtime.models.TrimmedHead, whose weight is a buffer) would, which is why it reshapes to 2-D.
+copied rows (xtokspec.runtime.vocab.TrimmedHead, whose weight is a buffer) would, which is why it reshapes to 2-D.
 
     python benchmarks/torch_linear_strided.py [--rows 32768 262144] [--hidden 640] [--threads 2]
 

@@ -8,7 +8,7 @@ Packages (and the top-level modules), lowest first:
 Inside a package, lowest first (a package's __init__ sits on top of its own modules):
 
     text:     codec -> bridge, chat
-    runtime:  kv, models -> compile -> cache
+    runtime:  kv, models, vocab -> compile -> cache
     decode:   sampling, keyed, policy -> tree, measures, stepcosts, rows -> mapping, propose -> protocols, verify -> loop -> assemble
     vllm:     settings, memory, requests, batch, cpu_sampling -> drafts, build -> drafting -> proposer
     distill:  data -> train, evaluate -> pipeline
@@ -31,7 +31,7 @@ PACKAGES = [
 ]
 MODULES = {
     "text": [("codec",), ("bridge", "chat")],
-    "runtime": [("kv", "models"), ("compile",), ("cache",)],
+    "runtime": [("kv", "models", "vocab"), ("compile",), ("cache",)],
     "decode": [("sampling", "keyed", "policy"), ("tree", "measures", "stepcosts", "rows"), ("mapping", "propose"), ("protocols", "verify"), ("loop",),
                ("assemble",)],
     "vllm": [("settings", "memory", "requests", "batch", "cpu_sampling"), ("drafts", "build"), ("drafting",), ("proposer",)],

@@ -1,4 +1,4 @@
-"""The trimmed draft output head (XTokSpec.trim_draft_vocab, xtokspec.runtime.models.trimmed_draft): the view computes
+"""The trimmed draft output head (XTokSpec.trim_draft_vocab, xtokspec.runtime.vocab.trimmed_draft): the view computes
 the kept ids' logits exactly as the full head does and -inf elsewhere, leaves the user's model as it was, keeps
 what it promises to keep, refuses what it cannot trim, and stays lossless (greedy here; sampling in
 tests/test_stats.py)."""
@@ -25,7 +25,7 @@ def trimmed_spec(ja_target, ja_draft_bpe, heldout_prompts):
 
 
 def test_trimmed_head_equals_the_full_head_on_kept_ids(ja_draft_bpe):
-    from xtokspec.runtime.models import trimmed_draft
+    from xtokspec.runtime.vocab import trimmed_draft
 
     model, tokenizer = ja_draft_bpe
     keep = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:500].sort().values
@@ -53,7 +53,8 @@ def test_int8_linears_quantize_a_trimmed_draft_and_keep_its_dropped_ids_out(ja_d
     draft is refused by name."""
     from transformers import AutoModelForCausalLM
 
-    from xtokspec.runtime.models import fixture_model, int8_linears, trimmed_draft
+    from xtokspec.runtime.models import fixture_model, int8_linears
+    from xtokspec.runtime.vocab import trimmed_draft
 
     _, tokenizer = ja_draft_bpe
     model = AutoModelForCausalLM.from_pretrained(fixture_model("ja-draft-bpe"), dtype=torch.float32).eval()
@@ -81,7 +82,7 @@ def test_int8_linears_quantize_a_trimmed_draft_and_keep_its_dropped_ids_out(ja_d
 def test_choose_draft_vocab_keeps_eos_bytes_and_the_most_frequent_ids(bridged_spec):
     from model_helpers import FIXTURES
 
-    from xtokspec.runtime.models import choose_draft_vocab
+    from xtokspec.runtime.vocab import choose_draft_vocab
 
     codec = bridged_spec.draft
     always = bridged_spec.draft_eos
@@ -114,7 +115,7 @@ def test_choose_draft_vocab_keeps_eos_bytes_and_the_most_frequent_ids(bridged_sp
     ],
 )
 def test_choose_draft_vocab_refuses_bad_input(bridged_spec, texts, size, message):
-    from xtokspec.runtime.models import choose_draft_vocab
+    from xtokspec.runtime.vocab import choose_draft_vocab
 
     with pytest.raises(XTokSpecError, match=message):
         choose_draft_vocab(bridged_spec.draft, texts, size, bridged_spec.draft_eos)
@@ -124,7 +125,7 @@ def test_trimmed_draft_refuses_post_processed_logits(sp_tokenizer):
     """-inf under soft-capping would become a finite logit: such a draft is refused by name."""
     from model_helpers import tiny_llama
 
-    from xtokspec.runtime.models import trimmed_draft
+    from xtokspec.runtime.vocab import trimmed_draft
 
     model = tiny_llama(sp_tokenizer)
     model.config.final_logit_softcapping = 30.0

@@ -770,7 +770,7 @@ def draws_trimmed_only(keep: torch.Tensor, draft_vocab: int):
 @pytest.mark.slow
 def test_end_to_end_trimmed_draft_head_matches_target(bridged_spec, ja_target, monkeypatch):
     from xtokspec import XTokSpec
-    from xtokspec.runtime.models import trimmed_draft
+    from xtokspec.runtime.vocab import trimmed_draft
 
     prompt = PROMPTS[TRIM_CASE[1:]]
     keep = trimmed_keep(bridged_spec)

@@ -432,7 +432,7 @@ def test_an_int8_draft_drafts_and_leaves_the_output_the_targets(ja_target, heldo
     least 70% as many over 8 prompts). A draft that is not float32, or another value, is refused by name."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    from xtokspec.runtime.models import TrimmedHead
+    from xtokspec.runtime.vocab import TrimmedHead
 
     model, tokenizer = ja_target
     calibration = tmp_path / "calibration.txt"

@@ -19,17 +19,8 @@ from . import options
 from .decode import assemble, loop
 from .decode.policy import TargetAlone
 from .runtime.kv import context_limit, input_device, sliding_layers, takes_tree_masks
-from .runtime.models import (
-    DraftVocab,
-    check_source,
-    choose_draft_vocab,
-    cpu_bf16_note,
-    eos_ids,
-    frozen_head_note,
-    load,
-    no_length_warning,
-    trimmed_draft,
-)
+from .runtime.models import check_source, cpu_bf16_note, eos_ids, frozen_head_note, load, no_length_warning
+from .runtime.vocab import DraftVocab, choose_draft_vocab, trimmed_draft
 from .text import chat
 from .text.codec import TokenCodec
 from .types import (

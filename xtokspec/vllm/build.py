@@ -11,7 +11,8 @@ import torch
 
 from ..decode import assemble
 from ..runtime.kv import position_bytes, sliding_layers
-from ..runtime.models import choose_draft_vocab, eos_ids, int8_linears, load, trimmed_draft
+from ..runtime.models import eos_ids, int8_linears, load
+from ..runtime.vocab import choose_draft_vocab, trimmed_draft
 from ..text.codec import TokenCodec
 from ..types import XTokSpecError, is_int
 from .settings import CACHE_KEY, GRAPHS_KEY, LINEARS_KEY, TRIM_SIZE_KEY, TRIM_TEXT_KEY, ProposerSettings

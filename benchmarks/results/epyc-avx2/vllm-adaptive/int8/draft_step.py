@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[5]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from real_models import real_model_dir  # noqa: E402
 
-from xtokspec.runtime.models import fixture_model, int8_linears, trimmed_draft  # noqa: E402
+from xtokspec.runtime.models import fixture_model, int8_linears  # noqa: E402
+from xtokspec.runtime.vocab import trimmed_draft  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
