@@ -32,8 +32,12 @@ class TrimmedHead(torch.nn.Module):
         self.int8 = None  # the kept rows' matmul in int8, once quantized (`int8_linears`)
 
     def quantize(self) -> None:
-        """The kept rows' matmul in int8 (`int8_linears`): a dynamically quantized linear replaces the float rows."""
+        """The kept rows' matmul in int8 (`int8_linears`): a dynamically quantized linear replaces the float rows
+        (once: quantized again, it keeps its int8 rows)."""
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+        if self.int8 is not None:
+            return
 
         float_linear = torch.nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
         with torch.no_grad():
