@@ -63,6 +63,9 @@ inside one process, so its rounds run one process each. `--processes N --out OUT
 the same run in N fresh processes, the systems built in reverse order in every other one (ABBA), each writing
 OUT's folder/process-I/, then pooled into OUT (where an engine's memory lies is a draw of several percent for its
 whole life on these VMs, `epyc-avx2/vllm-adaptive/real-f32-trim/two-copies/`: one process is one draw).
+`--kv-space GIB`: each engine's KV cache (default 2 GiB; the real pair in float32 needs 1 for its second engine
+to fit 24 GiB beside the draft), stated in the table's header. In lockstep each step's seconds and the ids proposed
+in it are kept in results.json (`steps`: per batch of prompts), to see where a system's time goes.
 """
 
 from __future__ import annotations
@@ -210,11 +213,13 @@ def run_batches(llm, batches: list[list[str]], new_tokens: int, temperature: flo
 
 
 def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: float = 0.0,
-                 first_seed: int = 0, running: int | None = None) -> dict[str, tuple[float, list[list[int]]]]:
+                 first_seed: int = 0, running: int | None = None
+                 ) -> dict[str, tuple[float, list[list[int]], list[list[float]]]]:
     """One batch of prompts on every engine at once, stepped in turn (`--lockstep`; `engines`: name -> (LLM, its
     xtokspec proposers)): each engine's steps are timed one by one, the engines' order rotating from step to
-    step, until every request has ended -> per engine, the seconds its steps took and each request's token ids
-    (request n seeded with first_seed + n where sampled). A proposer times its target's step as the interval
+    step, until every request has ended -> per engine, the seconds its steps took, each request's token ids
+    (request n seeded with first_seed + n where sampled) and each step as [seconds, ids its proposers proposed
+    in it] (where a system's time goes, step by step). A proposer times its target's step as the interval
     between its calls: the other engines' steps in that interval are moved out of it (its clock's last reading
     shifted by their seconds), so that it measures what it would running alone. `running` (`--queued`): at most
     that many requests at once on each engine, the next prompt added as one ends (a queue, as a server under
@@ -237,6 +242,7 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
         for _ in range(min(running, len(batch))):
             admit(name)
     seconds, done = dict.fromkeys(names, 0.0), {name: {} for name in names}
+    steps: dict[str, list[list[float]]] = {name: [] for name in names}
     step = 0
     while any(engines[name][0].llm_engine.has_unfinished_requests() for name in names):
         # NOTE: rotated, not reversed: with three engines or more, reversing runs the first and last twice in a row
@@ -246,10 +252,12 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
             engine = engines[name][0].llm_engine
             if not engine.has_unfinished_requests():
                 continue
+            proposed = sum(p.stats.proposed for p in engines[name][1])
             t0 = time.perf_counter()
             outputs = engine.step()
             spent = time.perf_counter() - t0
             seconds[name] += spent
+            steps[name].append([round(spent, 5), sum(p.stats.proposed for p in engines[name][1]) - proposed])
             for other in names:
                 for proposer in engines[other][1] if other != name else ():
                     if proposer._last_end is not None:
@@ -260,7 +268,7 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
                     if admitted[name] < len(batch):
                         admit(name)
         step += 1
-    return {name: (seconds[name], [done[name][request] for request in asked[name]]) for name in names}
+    return {name: (seconds[name], [done[name][request] for request in asked[name]], steps[name]) for name in names}
 
 
 # the proposer's counters a results.json keeps per batch size (xtokspec.vllm.settings.ProposerStats)
@@ -340,9 +348,10 @@ def measure_together(names: list[str], prompts: list[str], warm: list[str], args
                 stepped = run_lockstep({name: engines[name] for name in (names if n % 2 == 0 else names[::-1])},
                                        one, args.new_tokens, args.temperature, len(rows[names[0]]["outputs"]),
                                        running=batch if args.queued else None)
-                for name, (seconds, out) in stepped.items():
+                for name, (seconds, out, steps) in stepped.items():
                     rows[name]["times"].append(seconds)
                     rows[name]["outputs"] += out
+                    rows[name].setdefault("steps", []).append(steps)
                 continue
             for name in names if n % 2 == 0 else names[::-1]:
                 before = spec_counts()  # NOTE: summed over the engines' series: only this engine runs meanwhile
@@ -593,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "fixtures and bfloat16 for the real pair; bfloat16 for --check-alone)")
     parser.add_argument("--margins", type=Path, metavar="RESULTS", help="only measure where outputs in a "
                         "results.json differ from the target alone's (`divergences`; transformers, no vLLM)")
+    parser.add_argument("--kv-space", type=float, metavar="GIB", help="vLLM's KV cache per engine, GiB "
+                        "(VLLM_CPU_KVCACHE_SPACE; default 2): 1 lets two engines of a float32 1.5B target and a "
+                        "draft fit 24 GiB, and holds far more tokens than the bench's requests use")
     parser.add_argument("--out", type=Path, help="write results.json (and table.md beside it) here")
     parser.add_argument("--table", type=Path, metavar="RESULTS", help="only write table.md again beside RESULTS (a "
                         "results.json), from what it holds")
@@ -631,6 +643,10 @@ def main() -> None:
         pool(paths, args.out)
         return
     preload_openmp()
+    if args.kv_space is not None:
+        if args.kv_space <= 0:
+            raise SystemExit(f"--kv-space must be above 0 GiB, got {args.kv_space}")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space:g}"
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     if args.check_alone:
@@ -652,6 +668,7 @@ def main() -> None:
               f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}{', Intel OpenMP preloaded' if 'libiomp' in os.environ.get('LD_PRELOAD', '') else ''}), "
               f"{'fixture' if args.preset == 'fixtures' else 'real'} pair, {chosen['dtype']}, "
               f"{f'T={args.temperature}' if args.temperature else 'greedy'}, K={args.k}, "
+              f"{os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB of KV cache per engine, "
               f"{len(prompts)} held-out prompts x {args.new_tokens} new tokens at batch {', '.join(map(str, args.batches))}, "
               + (f"{args.rounds} rounds, each building every engine at once and stepping all of them in turn over "
                  "all prompts queued, the batch size the requests running at once, each step timed (lockstep, queued, "

@@ -21,6 +21,8 @@ class Engine:
         self.running: dict[str, list] = {}
         self.order: list[str] = []  # prompts in the order they were admitted
         self.most = 0  # requests running at once, at most
+        self.steps = 0
+        self.proposers: list = []  # stand-ins for the xtokspec proposers built with it
 
     def add_request(self, request_id, prompt, params):
         self.running[request_id] = [prompt, []]
@@ -31,6 +33,9 @@ class Engine:
         return bool(self.running)
 
     def step(self):
+        self.steps += 1
+        for proposer in self.proposers:  # a proposer's call after the step: 2 ids proposed
+            proposer.stats.proposed += 2
         outputs = []
         for request_id, (prompt, tokens) in list(self.running.items()):
             tokens.append(len(tokens))
@@ -45,16 +50,24 @@ class Engine:
 @pytest.fixture
 def engines(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
-    return {name: (types.SimpleNamespace(llm_engine=Engine()), []) for name in ("a", "b")}
+    engines = {name: (types.SimpleNamespace(llm_engine=Engine()), []) for name in ("a", "b")}
+    proposer = types.SimpleNamespace(_last_end=None, stats=types.SimpleNamespace(proposed=0))
+    engines["b"][0].llm_engine.proposers.append(proposer)
+    engines["b"][1].append(proposer)
+    return engines
 
 
 @pytest.mark.parametrize("running", [None, 1, 3])
 def test_lockstep_serves_every_prompt_on_every_engine_at_most_running_at_once(engines, running):
     prompts = ["x" * n for n in (5, 1, 3, 7, 2, 4, 6)]
     done = vllm_bench.run_lockstep(engines, prompts, 64, running=running)
-    for name, (seconds, outputs) in done.items():
+    for name, (seconds, outputs, steps) in done.items():
         engine = engines[name][0].llm_engine
         assert seconds > 0
+        # every step recorded, its seconds summing to the engine's (rounded to 10 us a step), no proposer: none proposed
+        assert len(steps) == engine.steps
+        assert sum(s for s, _ in steps) == pytest.approx(seconds, abs=1e-5 * len(steps))
+        assert all(proposed == (2 if name == "b" else 0) for _, proposed in steps)
         assert [len(o) for o in outputs] == [len(p) for p in prompts]  # each request's ids, in the prompts' order
         assert engine.order == prompts  # admitted in order
         assert engine.most == (running or len(prompts))
