@@ -44,7 +44,7 @@ class TrimmedHead(torch.nn.Module):
             float_linear.weight.copy_(self.weight)
             if self.bias is not None:
                 float_linear.bias.copy_(self.bias)
-        float_linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
+        float_linear.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         self.int8 = DynamicLinear.from_float(float_linear)
         self.weight = self.weight.new_empty((self.weight.shape[0], 0))  # the float rows' memory goes
 
