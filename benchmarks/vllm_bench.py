@@ -64,8 +64,9 @@ the same run in N fresh processes, the systems built in reverse order in every o
 OUT's folder/process-I/, then pooled into OUT (where an engine's memory lies is a draw of several percent for its
 whole life on these VMs, `epyc-avx2/vllm-adaptive/real-f32-trim/two-copies/`: one process is one draw).
 `--kv-space GIB`: each engine's KV cache (default 2 GiB; the real pair in float32 needs 1 for its second engine
-to fit 24 GiB beside the draft), stated in the table's header. In lockstep each step's seconds and the ids proposed
-in it are kept in results.json (`steps`: per batch of prompts), to see where a system's time goes.
+to fit 24 GiB beside the draft), stated in the table's header. In lockstep each step's seconds, the ids proposed
+in it and the garbage collector's seconds in it are kept in results.json (`steps`: per batch of prompts), to see
+where a system's time goes.
 """
 
 from __future__ import annotations
@@ -196,6 +197,26 @@ def spec_counts() -> tuple[int, int]:
             int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
+class GcClock:
+    """Seconds Python's garbage collector has run in this process (`gc.callbacks`): a collection runs inside
+    whichever engine's step allocated past its threshold, so a step's time may hold other work's garbage."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._start = None
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+GC = GcClock()
+
+
 def run_batches(llm, batches: list[list[str]], new_tokens: int, temperature: float = 0.0,
                 first_seed: int = 0) -> tuple[float, list[list[int]]]:
     """Seconds for all batches (each one `generate` call) and the token ids of every request; `temperature` > 0:
@@ -219,7 +240,7 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
     xtokspec proposers)): each engine's steps are timed one by one, the engines' order rotating from step to
     step, until every request has ended -> per engine, the seconds its steps took, each request's token ids
     (request n seeded with first_seed + n where sampled) and each step as [seconds, ids its proposers proposed
-    in it] (where a system's time goes, step by step). A proposer times its target's step as the interval
+    in it, seconds of garbage collection in it] (where a system's time goes, step by step). A proposer times its target's step as the interval
     between its calls: the other engines' steps in that interval are moved out of it (its clock's last reading
     shifted by their seconds), so that it measures what it would running alone. `running` (`--queued`): at most
     that many requests at once on each engine, the next prompt added as one ends (a queue, as a server under
@@ -252,12 +273,13 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
             engine = engines[name][0].llm_engine
             if not engine.has_unfinished_requests():
                 continue
-            proposed = sum(p.stats.proposed for p in engines[name][1])
+            proposed, collected = sum(p.stats.proposed for p in engines[name][1]), GC.seconds
             t0 = time.perf_counter()
             outputs = engine.step()
             spent = time.perf_counter() - t0
             seconds[name] += spent
-            steps[name].append([round(spent, 5), sum(p.stats.proposed for p in engines[name][1]) - proposed])
+            steps[name].append([round(spent, 5), sum(p.stats.proposed for p in engines[name][1]) - proposed,
+                                round(GC.seconds - collected, 5)])
             for other in names:
                 for proposer in engines[other][1] if other != name else ():
                     if proposer._last_end is not None:
