@@ -5,6 +5,9 @@ does not change the cost), the fixture draft's left whole. Also how often the in
 float32 one's, reading 24 held-out lines one id a step.
 
     OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/results/epyc-avx2/vllm-adaptive/int8/draft_step.py > output-draft-step.txt
+
+(`output-draft-step.txt` was written at d3b223c, when `int8_linears` used one weight scale per matrix; it uses one
+per row since 4eb5cf9: `scales.py` compares both.)
 """
 
 import copy
@@ -60,21 +63,26 @@ def agreement(model, quantized, tokenizer, lines: list[str]) -> float:
     return same / total
 
 
-lines = [x for x in (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines() if x][:24]
-for name, path, trim in (("fixture ja-draft-bpe", fixture_model("ja-draft-bpe"), False),
-                         ("Gemma-3-270M", real_model_dir("gemma-3-270m"), True),
-                         ("SmolLM2-135M", real_model_dir("smollm2-135m"), True)):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    vocab = model.config.get_text_config().vocab_size
-    if trim and vocab > 32768:
-        model = trimmed_draft(model, torch.arange(32768))
-    quantized = copy.deepcopy(model)
-    int8_linears(quantized)
-    n = 200 if "fixture" in name else 20
-    times = {(kind, rows): step_ms(m, rows, n) for kind, m in (("float32", model), ("int8", quantized))
-             for rows in (1, 8)}
-    print(f"{name}{' (head trimmed to 32,768 ids)' if trim and vocab > 32768 else ''}: one step "
-          f"{times['float32', 1]:.1f} ms float32, {times['int8', 1]:.1f} ms int8 at 1 request; "
-          f"{times['float32', 8]:.1f} / {times['int8', 8]:.1f} ms at 8; greedy choice the float32 one's at "
-          f"{agreement(model, quantized, tokenizer, lines):.1%} of {len(lines)} held-out lines' positions, read one id a step", flush=True)
+def main() -> None:
+    lines = [x for x in (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines() if x][:24]
+    for name, path, trim in (("fixture ja-draft-bpe", fixture_model("ja-draft-bpe"), False),
+                             ("Gemma-3-270M", real_model_dir("gemma-3-270m"), True),
+                             ("SmolLM2-135M", real_model_dir("smollm2-135m"), True)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vocab = model.config.get_text_config().vocab_size
+        if trim and vocab > 32768:
+            model = trimmed_draft(model, torch.arange(32768))
+        quantized = copy.deepcopy(model)
+        int8_linears(quantized)
+        n = 200 if "fixture" in name else 20
+        times = {(kind, rows): step_ms(m, rows, n) for kind, m in (("float32", model), ("int8", quantized))
+                 for rows in (1, 8)}
+        print(f"{name}{' (head trimmed to 32,768 ids)' if trim and vocab > 32768 else ''}: one step "
+              f"{times['float32', 1]:.1f} ms float32, {times['int8', 1]:.1f} ms int8 at 1 request; "
+              f"{times['float32', 8]:.1f} / {times['int8', 8]:.1f} ms at 8; greedy choice the float32 one's at "
+              f"{agreement(model, quantized, tokenizer, lines):.1%} of {len(lines)} held-out lines' positions, read one id a step", flush=True)
+
+
+if __name__ == "__main__":
+    main()

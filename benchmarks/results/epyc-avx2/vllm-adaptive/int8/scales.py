@@ -9,17 +9,18 @@ fifth over minutes).
 
 import copy
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[5]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_step import agreement, step_ms  # noqa: E402
 from real_models import real_model_dir  # noqa: E402
 
 from xtokspec.runtime.vocab import TrimmedHead, trimmed_draft  # noqa: E402
@@ -47,36 +48,6 @@ def variant(model, body: str, head: str):
     return quantized
 
 
-def step_ms(model, rows: int, n: int = 20) -> float:
-    ids = torch.randint(100, 8000, (rows, 40), generator=torch.Generator().manual_seed(0))
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(3):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = torch.full((rows, 1), 500)
-            model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            start = time.perf_counter()
-            for _ in range(n):
-                model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache.crop(-1)
-            best = min(best, (time.perf_counter() - start) / n)
-    return best * 1e3
-
-
-def agreement(model, quantized, tokenizer, lines: list[str]) -> float:
-    same = total = 0
-    with torch.inference_mode():
-        for line in lines:
-            caches = [DynamicCache(config=m.config) for m in (model, quantized)]
-            for token in tokenizer(line)["input_ids"]:
-                a, b = (m(input_ids=torch.tensor([[token]]), past_key_values=c, use_cache=True).logits[0, -1].argmax()
-                        for m, c in zip((model, quantized), caches, strict=True))
-                same += int(a == b)
-                total += 1
-    return same / total
-
-
 lines = [x for x in (ROOT / "fixtures" / "data" / "heldout.txt").read_text(encoding="utf-8").splitlines() if x][:24]
 path = real_model_dir("gemma-3-270m")
 model = trimmed_draft(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), torch.arange(32768))
@@ -85,7 +56,7 @@ built = {v: variant(model, *v) for v in VARIANTS}
 times = {v: [] for v in VARIANTS}
 for _ in range(2):
     for v in VARIANTS:
-        times[v].append((step_ms(built[v], 1), step_ms(built[v], 8)))
+        times[v].append((step_ms(built[v], 1, 20), step_ms(built[v], 8, 20)))
 print("Gemma-3-270M, head trimmed to 32,768 ids; weight scales per matrix or per output row")
 for v in VARIANTS:
     ones, eights = [t[0] for t in times[v]], [t[1] for t in times[v]]
