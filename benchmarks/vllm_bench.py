@@ -240,9 +240,9 @@ def run_lockstep(engines: dict, batch: list[str], new_tokens: int, temperature: 
     xtokspec proposers)): each engine's steps are timed one by one, the engines' order rotating from step to
     step, until every request has ended -> per engine, the seconds its steps took, each request's token ids
     (request n seeded with first_seed + n where sampled) and each step as [seconds, ids its proposers proposed
-    in it, seconds of garbage collection in it] (where a system's time goes, step by step). A proposer times its target's step as the interval
-    between its calls: the other engines' steps in that interval are moved out of it (its clock's last reading
-    shifted by their seconds), so that it measures what it would running alone. `running` (`--queued`): at most
+    in it, seconds of garbage collection in it] (where a system's time goes, step by step). A proposer times its
+    target's step as the interval between its calls: the other engines' steps in that interval are moved out of
+    it (its clock's last reading shifted by their seconds), so that it measures what it would running alone. `running` (`--queued`): at most
     that many requests at once on each engine, the next prompt added as one ends (a queue, as a server under
     load keeps its batch full); default all of them at once."""
     from vllm import SamplingParams

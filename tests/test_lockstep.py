@@ -67,7 +67,8 @@ def test_lockstep_serves_every_prompt_on_every_engine_at_most_running_at_once(en
     for name, (seconds, outputs, steps) in done.items():
         engine = engines[name][0].llm_engine
         assert seconds > 0
-        # every step recorded, its seconds summing to the engine's (rounded to 10 us a step), no proposer: none proposed
+        # every step recorded, its seconds summing to the engine's (rounded to 10 us a step), the ids engine b's
+        # proposer proposed in it, and the collections run inside it
         assert len(steps) == engine.steps
         assert sum(s for s, _, _ in steps) == pytest.approx(seconds, abs=1e-5 * len(steps))
         assert all(proposed == (2 if name == "b" else 0) for _, proposed, _ in steps)

@@ -290,5 +290,5 @@ def int8_linears(model: torch.nn.Module) -> int:
         quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
         for module in linears:
             if isinstance(module, TrimmedHead):
-                module.quantize()
+                module.quantize(per_channel_dynamic_qconfig)
     return len(linears)

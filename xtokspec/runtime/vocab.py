@@ -31,9 +31,10 @@ class TrimmedHead(torch.nn.Module):
                              persistent=False)
         self.int8 = None  # the kept rows' matmul in int8, once quantized (`int8_linears`)
 
-    def quantize(self) -> None:
-        """The kept rows' matmul in int8 (`int8_linears`): a dynamically quantized linear replaces the float rows
-        (once: quantized again, it keeps its int8 rows)."""
+    def quantize(self, qconfig) -> None:
+        """The kept rows' matmul in int8 with torch's dynamic `qconfig` (`int8_linears` passes the draft's linears'
+        own): a dynamically quantized linear replaces the float rows (once: quantized again, it keeps its int8
+        rows)."""
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
         if self.int8 is not None:
@@ -44,7 +45,7 @@ class TrimmedHead(torch.nn.Module):
             float_linear.weight.copy_(self.weight)
             if self.bias is not None:
                 float_linear.bias.copy_(self.bias)
-        float_linear.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        float_linear.qconfig = qconfig
         self.int8 = DynamicLinear.from_float(float_linear)
         self.weight = self.weight.new_empty((self.weight.shape[0], 0))  # the float rows' memory goes
 

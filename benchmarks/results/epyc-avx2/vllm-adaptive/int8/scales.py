@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,12 +38,7 @@ def variant(model, body: str, head: str):
     quantize_dynamic(quantized, {torch.nn.Linear: QCONFIG[body]}, dtype=torch.qint8, inplace=True)
     for module in quantized.modules():
         if isinstance(module, TrimmedHead) and head != "float32":
-            linear = torch.nn.Linear(module.weight.shape[1], module.weight.shape[0], bias=False)
-            with torch.no_grad():
-                linear.weight.copy_(module.weight)
-            linear.qconfig = QCONFIG[head]
-            module.int8 = DynamicLinear.from_float(linear)
-            module.weight = module.weight.new_empty((module.weight.shape[0], 0))
+            module.quantize(QCONFIG[head])
     return quantized
 
 
