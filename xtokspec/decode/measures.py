@@ -72,6 +72,13 @@ class LinearCosts:
         self.coef = None
         return True
 
+    def anchor(self, size: tuple, seconds: float) -> None:
+        """A point known rather than measured (one sample, not held back), where no sample at `size` is kept."""
+        size = tuple(size)
+        if size not in self.times:
+            self.held.add(size)
+            self.observe(size, seconds)
+
     def seen(self, where) -> bool:
         """Whether a size for which `where(size)` holds has been measured."""
         return any(where(size) for size in self.times)

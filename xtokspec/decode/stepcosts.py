@@ -37,7 +37,12 @@ slowed by another's drafts). With one request both rates are the same.
 The costs are kept as recent samples per size (requests and proposals in a step; requests in a draft forward)
 and fitted as a plane (a line) through the sizes' medians, each weighted by its samples (`measures.LinearCosts`):
 a server's steps come at many sizes with few samples each, noisy one by one, and samples kept per size keep a
-slope measured however long the sizes then stop varying (exponential forgetting would lose it). A slope the sizes
+slope measured however long the sizes then stop varying (exponential forgetting would lose it). A step with
+proposals is kept as what it took beyond the steps without proposals at its size just before it (their recent
+median), and target(B, p) is the line of those steps plus the plane of what proposals added: the machine's speed
+drifts by a fifth over minutes, and steps of different sizes measured minutes apart set a step without proposals
+above one with three, which priced extra positions at nothing (the fixture pair at T=0.7, where vLLM's
+speculative path costs any step with a proposal some 3 ms of a 17-ms step: the plane's intercept holds that). A slope the sizes
 seen cannot show is taken as 0 (optimism: drafting is tried, then measured), but a batched draft forward not yet
 measured costs what one request's forward measured: a batch costs no less than one of its rows, and taken as free
 it had a fresh engine's first batch of requests draft, each first reading its prompt, at any rate. Most calls
@@ -59,7 +64,10 @@ class StepCosts:
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.target = LinearCosts(2)  # a step's seconds, by (requests, proposals verified)
+        self.target = LinearCosts(1)  # a step without proposals, by requests
+        # a step's seconds beyond the steps without proposals at its size as they ran just before it (`observe_step`),
+        # by (requests, proposals verified)
+        self.extra = LinearCosts(2)
         self.quiet = LinearCosts(1)  # a call that drafted nothing, by requests in it
         self.draft = LinearCosts(1)  # a batched draft forward beyond a quiet call, by requests drafting in it
         # a request's own draft forward (eager, or its captured steps) beyond a quiet call, by requests drafting so
@@ -70,12 +78,31 @@ class StepCosts:
 
     def observe_step(self, rows: int, proposals: int, seconds: float) -> bool:
         """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds` -> whether it
-        counts (a size's first step is held back: `LinearCosts`)."""
-        return self.target.observe((rows, proposals), seconds)
+        counts (a size's first step is held back: `LinearCosts`). A step with proposals counts as its seconds
+        beyond the recent steps without (`quiet_level`); before any of those, not at all."""
+        if not proposals:
+            return self.target.observe((rows,), seconds)
+        level = self.quiet_level(rows)
+        if level is None:
+            return False
+        # NOTE: no proposal adds nothing: one sample there, so that until two counts of proposals are measured at a
+        # size the line runs through it (what one count added is then a cost per id, not a fixed one: taken as
+        # fixed, two ids measured priced one id as dear and kept a server from drafting it), and then pulls little
+        self.extra.anchor((rows, 0), 0.0)
+        return self.extra.observe((rows, proposals), seconds - level)
+
+    def quiet_level(self, rows: int) -> float | None:
+        """What a step without proposals of `rows` requests costs now: the median of the recent ones at that size
+        (they are most steps: recent, they carry the machine's present speed), else the line through the sizes
+        measured; None before any."""
+        point = self.target.points.get((rows,))
+        if point is not None:
+            return point[1]
+        return self.target(rows) if self.target.times else None
 
     def alone_measured(self) -> bool:
         """Whether a step without proposals has been measured."""
-        return self.target.seen(lambda size: size[1] == 0)
+        return bool(self.target.times)
 
     def observe_call(self, rows: int, drafting: int, forwards: int, seconds: float, batched: bool = True) -> None:
         """A proposer's call over `rows` requests, `drafting` of them drafting in `forwards` draft forwards
@@ -103,8 +130,10 @@ class StepCosts:
         return ids > self.cap + 1
 
     def step(self, rows: int, proposals: int) -> float:
-        """target_B(p): a step's seconds, from the plane fitted to the steps measured."""
-        return self.target(rows, proposals)
+        """target_B(p): a step's seconds: the line fitted to the steps without proposals, and for p > 0 the plane
+        fitted to what proposals added to them (its intercept: what any proposal costs a step, vLLM's speculative
+        path)."""
+        return self.target(rows) + (self.extra(rows, proposals) if proposals else 0.0)
 
     def batched(self, drafting: int) -> float:
         """A batched draft forward's seconds over `drafting` requests: as measured, and before any batched forward
@@ -176,9 +205,9 @@ class StepCosts:
     def may_pay(self, a: list[float], rows: int, base: float, ways: tuple[str, ...], slowest: bool = False) -> bool:
         """False where no lengths can beat the target alone, by a bound on every choice's rate: S ids drafted
         commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
-        the step's slope per proposal and the draft's least seconds per id (one request alone at 1 request,
-        batched ones k forwards over m requests for at most m * k ids, the line's least per request at m = 2 or
-        m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
+        the least that an id adds to the step (`slope`) and the draft's least seconds per id (one request alone at
+        1 request, batched ones k forwards over m requests for at most m * k ids, the line's least per request at
+        m = 2 or m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
         (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)
         `slowest`: the slowest request's pace, whose lengths are at most k for it and at least 1 for the n - 1
         others, so S >= k + n - 1 ids buy a pace of at most 1 + k min(a): none pays where base k min(a) <=
@@ -189,7 +218,10 @@ class StepCosts:
         n = len(a)
         if n > 1 and "batched" in ways:
             least = min(least, self.batched(2) / 2, self.batched(n) / n)
-        slope = self.step(rows, 1) - base
+        # NOTE: what S ids add to a step is a line in S (a fixed cost, then one per id) held at 0 or above: its
+        # share per id is least at one end, S = 1 or the most ids
+        most = self.cap * n
+        slope = min(self.step(rows, 1) - base, (self.step(rows, most) - base) / most)
         if slowest:
             if rows > n:
                 return False  # a request that cannot draft holds the pace at one token a step
