@@ -41,8 +41,9 @@ slope measured however long the sizes then stop varying (exponential forgetting 
 proposals is kept as what it took beyond the steps without proposals at its size just before it (their recent
 median), and target(B, p) is the line of those steps plus the plane of what proposals added: the machine's speed
 drifts by a fifth over minutes, and steps of different sizes measured minutes apart set a step without proposals
-above one with three, which priced extra positions at nothing (the fixture pair at T=0.7, where vLLM's
-speculative path costs any step with a proposal some 3 ms of a 17-ms step: the plane's intercept holds that). A slope the sizes
+above one with three, which priced extra positions at nothing and drafted at 0.16-0.3 per-token acceptance (the
+fixture pair at T=0.7, where vLLM's speculative path costs any step with a proposal 1-3 ms of a 17-21-ms step: the
+plane's intercept holds that; `benchmarks/results/epyc-avx2/vllm-adaptive/fixtures-t07-excess/`). A slope the sizes
 seen cannot show is taken as 0 (optimism: drafting is tried, then measured), but a batched draft forward not yet
 measured costs what one request's forward measured: a batch costs no less than one of its rows, and taken as free
 it had a fresh engine's first batch of requests draft, each first reading its prompt, at any rate. Most calls

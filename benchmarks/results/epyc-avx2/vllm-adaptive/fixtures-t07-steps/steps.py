@@ -2,17 +2,18 @@
 the same round (`steps` in results.json: each step's seconds and the ids proposed in the call after it): a prompt's
 first step (its prefill and the proposer's first call for the request), the steps with nothing drafted nor verified,
 and the steps that drafted or verified, whose extra seconds are set against what the ids accepted save (one target
-step each). The same for the null proposer, which never drafts.
+step each). The same for the null proposer, which never drafts. Another run's results.json may be named.
 
-    python benchmarks/results/epyc-avx2/vllm-adaptive/fixtures-t07-steps/steps.py > output-steps.txt
+    python benchmarks/results/epyc-avx2/vllm-adaptive/fixtures-t07-steps/steps.py [RESULTS] > output-steps.txt
 """
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-data = json.loads((HERE / "results.json").read_text(encoding="utf-8"))
+data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else HERE / "results.json").read_text(encoding="utf-8"))
 for name in ("null", "xtokspec"):
     for n, (run, base) in enumerate(zip(data["runs"][name], data["runs"]["alone"], strict=True)):
         mine, theirs = run["batch1"], base["batch1"]
