@@ -3,7 +3,7 @@ prompts x 64 tokens, lockstep) with the row policy (`decode.rows.RowDraftLengths
 that drafted, and each step it timed. Prints, for the calls that drafted: how many, by why (chosen, a probe, the
 cold start), the rate they drafted at, and what the cost model priced the first proposal at (step(1, 1) - step(1, 0))
 against what the steps measured (their medians by proposals verified, over the run and over the run's first and
-second halves: the machine's speed drifts). Run from the repository root, as vllm_bench.py (its environment):
+second halves: the machine's speed drifts; and steps without proposals by whether the step before had some). Run from the repository root, as vllm_bench.py (its environment):
 
     python benchmarks/results/epyc-avx2/vllm-adaptive/fixtures-t07-excess/why.py > output-why.txt
 """
@@ -47,6 +47,13 @@ def report() -> None:
               f"{statistics.median(1e3 * (c[3] - c[2]) for c in chosen):+.2f} ms median (lowest "
               f"{min(1e3 * (c[3] - c[2]) for c in chosen):+.2f}), on a step without proposals of "
               f"{statistics.median(1e3 * c[2] for c in chosen):.2f} ms")
+    after = {True: [], False: []}  # steps without proposals, by whether the step before them had some
+    for before, (proposals, seconds) in zip(timed, timed[1:], strict=False):
+        if not proposals:
+            after[before[0] > 0].append(seconds)
+    print("steps without proposals after one with: " + (f"{1e3 * statistics.median(after[True]):.2f} ms (x{len(after[True])})"
+                                                        if after[True] else "-")
+          + f"; after one without: {1e3 * statistics.median(after[False]):.2f} ms (x{len(after[False])})")
     half = len(timed) // 2
     for name, part in (("the run", timed), ("first half", timed[:half]), ("second half", timed[half:])):
         by = collections.defaultdict(list)
