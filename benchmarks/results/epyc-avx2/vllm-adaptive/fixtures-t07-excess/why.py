@@ -27,7 +27,8 @@ def logged_lengths(self, requests, rows, *args, **kwargs):
     out = lengths(self, requests, rows, *args, **kwargs)
     if any(out):
         rate = max(r for r, x in zip(self.rates(requests), out, strict=True) if x)
-        calls.append((self.chose, rate, self.costs.step(rows, 0), self.costs.step(rows, 1)))
+        kept = list(self.costs.target.times.get((rows,), ()))  # the samples the line through steps without is drawn from
+        calls.append((self.chose, rate, self.costs.step(rows, 0), self.costs.step(rows, 1), kept))
     return out
 
 
@@ -47,6 +48,10 @@ def report() -> None:
               f"{statistics.median(1e3 * (c[3] - c[2]) for c in chosen):+.2f} ms median (lowest "
               f"{min(1e3 * (c[3] - c[2]) for c in chosen):+.2f}), on a step without proposals of "
               f"{statistics.median(1e3 * c[2] for c in chosen):.2f} ms")
+        kept = [x for c in chosen for x in c[4]]
+        if kept:
+            print(f"the samples that line was drawn from at those calls: median {1e3 * statistics.median(kept):.2f} ms, "
+                  f"{sum(x > 0.025 for x in kept) / len(kept):.0%} above 25 ms")
     after = {True: [], False: []}  # steps without proposals, by whether the step before them had some
     for before, (proposals, seconds) in zip(timed, timed[1:], strict=False):
         if not proposals:
