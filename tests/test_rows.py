@@ -559,7 +559,8 @@ def test_the_bound_that_skips_costing_the_choices_never_skips_a_choice_that_pays
         rates = [rng.uniform(0.0, 0.9) for _ in range(rows)]
         policy = RowDraftLengths(3)
         # a step with any proposal may cost a fixed amount more (vLLM's speculative path)
-        step = lambda b, p, c=(fixed, per_req, per_prop, jump): c[0] + c[1] * b + c[2] * p + (c[3] if p else 0.0)  # noqa: E731
+        step = lambda b, p, c=(fixed, per_req, per_prop, jump): (  # noqa: E731
+            c[0] + c[1] * b + c[2] * p + (c[3] if p else 0.0))
         Server(rates, step, lambda m, c=(d0, d1): c[0] + c[1] * m, seed=trial).run(policy, 150)
         for _ in range(20):
             n = rng.randint(1, rows)
@@ -789,11 +790,11 @@ def drafted_one_at_a_time(seed: int) -> list[tuple[float, int]]:
 
 def test_a_request_the_draft_follows_poorly_does_not_stop_the_next_ones_from_drafting():
     """At batch 1 a request the draft follows poorly goes on drafting one id while the model predicts a small gain,
-    and those steps gain nothing (a cost the model misses). The measurement at that size is of costs only (`Measured.cost_miss`), so the
-    next requests, which the draft follows well, draft most of their steps on their own rates. Control: the
-    verdict in tokens per second (`Measured.drafting_loses`, one request's acceptance with the costs) turns
-    against drafting after a poor request, and a good one after it drafts next to nothing until probes bring it
-    back (seed 1; as one engine of six did on the real pair, BENCHMARKS.md, "vLLM")."""
+    and those steps gain nothing (a cost the model misses). The measurement at that size is of costs only
+    (`Measured.cost_miss`), so the next requests, which the draft follows well, draft most of their steps on their
+    own rates. Control: the verdict in tokens per second (`Measured.drafting_loses`, one request's acceptance with
+    the costs) turns against drafting after a poor request, and a good one after it drafts next to nothing until
+    probes bring it back (seed 1; as one engine of six did on the real pair, BENCHMARKS.md, "vLLM")."""
     for seed in range(4):
         good = [d for rate, d in drafted_one_at_a_time(seed) if rate > 0.5]
         assert min(good) >= 24, (seed, good)

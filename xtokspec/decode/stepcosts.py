@@ -208,7 +208,8 @@ class StepCosts:
         commit at most S * max(a) more tokens (a proposal's j-th id adds a^j <= a), and cost at least S times
         the least that an id adds to the step (`slope`) and the draft's least seconds per id (one request alone at
         1 request, batched ones k forwards over m requests for at most m * k ids, the line's least per request at
-        m = 2 or m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every S >= 1.
+        m = 2 or m = all); (rows + S max(a)) / (base + S (slope + least)) is then at most rows / base for every
+        S >= 1.
         (rows times the slowest request's tokens is at most the step's, so the bound holds for that rate too.)
         `slowest`: the slowest request's pace, whose lengths are at most k for it and at least 1 for the n - 1
         others, so S >= k + n - 1 ids buy a pace of at most 1 + k min(a): none pays where base k min(a) <=
