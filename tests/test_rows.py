@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from xtokspec.decode import rows
-from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, outcome, solve_small
+from xtokspec.decode.measures import Acceptance, LinearCosts, Measured, Spread, outcome, solve_small
 from xtokspec.decode.rows import RowDraftLengths
 from xtokspec.decode.stepcosts import StepCosts
 from xtokspec.types import expected_tokens
@@ -375,6 +375,63 @@ def test_a_request_that_must_first_read_its_text_starts_only_past_the_margin():
     policy.since_draft = policy.quiet_left = 0
     policy.MARGIN = 0.0  # the control
     assert policy.lengths([reading], 1) == [1]
+
+
+def served_requests(spread: Spread, rates, trials: int, seed: int) -> None:
+    """Requests with the given per-token `rates`, each of `trials` trials (accepted ids and rejections, drawn as a
+    proposer observes them: ids accepted up to a rejection, 3 proposed), handed to `spread` as they leave."""
+    rng = random.Random(seed)
+    for rate in rates:
+        request = Acceptance()
+        while request.accepted + request.rejected < trials:
+            n = 0
+            while n < 3 and rng.random() < rate:
+                n += 1
+            request.observe(n, n < 3)
+        spread.observe(request.accepted, request.accepted + request.rejected)
+
+
+@pytest.mark.parametrize("weight", [4.0, 12.0])
+def test_the_spread_of_requests_rates_gives_the_weight_of_their_prior(weight):
+    """Requests' rates drawn from a Beta of weight 4 or 12 around 0.4 (64 requests, 40 trials each, seeded): the
+    weight estimated within a factor of two; requests that share one rate (0.25) lean on the pool (the weight at
+    its bound), requests at 0.1 and 0.9 on their own evidence (at its lower bound); fewer than MIN_REQUESTS:
+    the lower bound (seeded: deterministic)."""
+    rng = np.random.default_rng(int(weight))
+    spread = Spread()
+    served_requests(spread, rng.beta(0.4 * weight, 0.6 * weight, size=64), 40, seed=1)
+    assert weight / 2 < spread.weight() < 2 * weight, spread.weight()
+    alike, apart, few = Spread(), Spread(), Spread()
+    served_requests(alike, [0.25] * 64, 40, seed=2)
+    served_requests(apart, [0.1, 0.9] * 32, 40, seed=3)
+    served_requests(few, [0.25] * (Spread.MIN_REQUESTS - 1), 40, seed=4)
+    assert alike.weight() == Spread.HIGHEST and apart.weight() == Spread.LOWEST and few.weight() == Spread.LOWEST
+
+
+def test_a_request_lucky_in_its_first_proposals_does_not_draft_where_requests_share_a_poor_rate():
+    """24 requests served at a per-token rate of 0.15, where one id's proposal is predicted no gain (the measured
+    costs of `near_the_margin`: 25-ms step, +1 ms a proposal, 3 ms a draft forward). A new request whose first two
+    proposals were both accepted is taken near the pooled rate (the requests' spread gives the pool a weight of
+    Spread.HIGHEST trials) and does not start. Control: the prior worth Spread.LOWEST trials, as before any
+    request is served, rates the request at 0.6 and it drafts."""
+    policy = near_the_margin()
+    rng = random.Random(5)
+    for _ in range(24):
+        request = Acceptance(age=50)
+        for _ in range(10):
+            accepted = rng.random() < 0.15
+            request.age += 1 + accepted
+            policy.observe_proposal(request, [1], [1, 3] if accepted else [2])
+        policy.forget(request)
+    assert policy.spread.weight() == Spread.HIGHEST
+    lucky = Acceptance(successes=2.0, failures=0.0, age=50)
+    policy.since_draft = 5
+    assert policy.rates([lucky])[0] < 0.25
+    assert policy.lengths([lucky], 1) == [0]
+    policy.spread._weight = Spread.LOWEST  # the control
+    policy.since_draft, policy.quiet_left = 5, 0
+    assert policy.rates([lucky])[0] > 0.5
+    assert policy.lengths([lucky], 1) == [1]
 
 
 # A cost the model misses from 8 requests on: each proposal costs 1.5 ms in calls that the arms time and the costing

@@ -32,8 +32,8 @@ class LinearCosts:
     SAMPLES = 8  # recent samples kept per size
     RIDGE = 1e-6  # a slope's pull to 0, against each sample's weight of 1
 
-    def __init__(self, features: int, each_size: bool = True):
-        self.features, self.each_size = features, each_size
+    def __init__(self, features: int, each_size: bool = True, samples: int = SAMPLES):
+        self.features, self.each_size, self.samples = features, each_size, samples
         self.times: dict[tuple, collections.deque] = {}
         # the weighted least-squares sums over the sizes' (1, *size) and medians, kept as samples come: a server's
         # steps come at many sizes, and a refit after each step then solves a (features + 1)-square system
@@ -53,7 +53,7 @@ class LinearCosts:
             if size not in self.held and (self.each_size or not self.held):
                 self.held.add(size)
                 return False
-            samples = self.times[size] = collections.deque(maxlen=self.SAMPLES)
+            samples = self.times[size] = collections.deque(maxlen=self.samples)
         samples.append(seconds)
         x, median, count = self.points.get(size) or ((1.0, *map(float, size)), 0.0, 0)
         ordered = sorted(samples)  # NOTE: the median by hand: statistics.median costs more on 8 values
@@ -147,6 +147,9 @@ class Acceptance:
 
     successes: float = 0.0
     failures: float = 0.0
+    # the same evidence undecayed, over the request's life (how far requests' rates spread: `Spread`)
+    accepted: int = 0
+    rejected: int = 0
     idle: int = 0  # steps since it last drafted
     # target ids its draft must read before it drafts (a new request: all of them; else those committed while it
     # did not draft), and the ids it has committed so far, set by its caller before each choice: reading them is a
@@ -159,11 +162,65 @@ class Acceptance:
     def observe(self, accepted: int, rejected: bool, decay: float = DECAY) -> None:
         self.successes = decay * self.successes + accepted
         self.failures = decay * self.failures + rejected
+        self.accepted += accepted
+        self.rejected += rejected
         self.idle = 0
 
     def rate(self, prior: float, weight: float) -> float:
         """The per-token acceptance: its evidence, with the prior worth `weight` proposals."""
         return (self.successes + weight * prior) / (self.successes + self.failures + weight)
+
+
+class Spread:
+    """How far requests' per-token acceptance rates spread around the rate pooled over them, from the requests
+    served: the weight, in trials, that a request's prior (the pooled rate) is worth against its own evidence.
+
+    Each request's rate is chosen on its own evidence, and requests are chosen to draft where that rate is high: with
+    a weak prior, a request the draft follows as poorly as the rest but that was accepted in its first proposals looks
+    good and drafts (at T=0.7 on the fixture pair, requests chosen at a per-token rate of 0.43 were accepted at 0.26,
+    near the pooled rate: BENCHMARKS.md, "vLLM"). The prior's weight is therefore what the requests' spread says
+    (empirical Bayes): with x_i accepted of n_i trials (accepted ids and rejections) per request, rates drawn from
+    a Beta of weight w around p, the method of moments for the beta-binomial gives the intra-request correlation
+    rho = 1 / (w + 1) from S = sum_i (x_i - n_i p)^2 / n_i, whose expectation is p (1 - p) ((m - 1) + rho (N -
+    sum_i n_i^2 / N)) over m requests and N trials (Kleinman, 1973). Requests that share one rate (a sampled
+    target that no draft follows well) lean on the pool; requests that differ (some near copies, some not) on their
+    own evidence. Bounded in [LOWEST, HIGHEST]; LOWEST until `MIN_REQUESTS` requests have been seen."""
+
+    KEPT = 64  # the most recent requests kept
+    MIN_REQUESTS = 8  # requests (each with MIN_TRIALS) before the spread is estimated
+    MIN_TRIALS = 2
+    LOWEST = 2.0  # a prior worth two trials: the weight before the spread is known
+    HIGHEST = 50.0  # requests alike: a request's own evidence (decayed: ~10 proposals' worth) barely moves it
+
+    def __init__(self):
+        self.requests: collections.deque = collections.deque(maxlen=self.KEPT)  # (accepted, trials)
+        self._weight = self.LOWEST
+
+    def observe(self, accepted: int, trials: int) -> None:
+        """A request that has left: its ids accepted of its trials (accepted ids and rejections)."""
+        if trials < self.MIN_TRIALS:
+            return
+        self.requests.append((accepted, trials))
+        self._weight = self._estimate()
+
+    def weight(self) -> float:
+        """The prior's weight in trials (this class's docstring)."""
+        return self._weight
+
+    def _estimate(self) -> float:
+        m = len(self.requests)
+        if m < self.MIN_REQUESTS:
+            return self.LOWEST
+        total = sum(n for _, n in self.requests)
+        p = sum(x for x, _ in self.requests) / total
+        if p <= 0.0 or p >= 1.0:
+            return self.HIGHEST  # every request alike: none accepted anything, or all everything
+        spread = sum((x - n * p) ** 2 / n for x, n in self.requests) / (p * (1 - p))
+        room = total - sum(n * n for _, n in self.requests) / total
+        rho = (spread - (m - 1)) / room if room > 0 else 0.0
+        if rho <= 0.0:
+            return self.HIGHEST
+        return min(self.HIGHEST, max(self.LOWEST, 1.0 / rho - 1.0))
 
 
 def outcome(proposed: Sequence[int], new: Sequence[int]) -> tuple[int, bool]:

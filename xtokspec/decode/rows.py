@@ -63,7 +63,7 @@ import math
 from collections.abc import Sequence
 
 from ..types import expected_tokens
-from .measures import UNMEASURED, Acceptance, Measured, outcome
+from .measures import UNMEASURED, Acceptance, Measured, Spread, outcome
 from .policy import DECAY, WARM_CYCLES, Fallback
 from .stepcosts import StepCosts
 
@@ -86,7 +86,6 @@ class RowDraftLengths:
     # of about that size (a proposal's bookkeeping in the calls after it), so a smaller predicted gain may be a
     # loss (BENCHMARKS.md, "vLLM", the T=0.7 runs)
     MARGIN = 0.05
-    PRIOR_WEIGHT = 2.0  # a request's prior (the pooled rate at its age) is worth this many proposals
     BAND_WEIGHT = 2.0  # an age band's pooled rate leans on the rate pooled over all ages by this many proposals
     RECHECK = 4  # where nothing pays at a size, the choice is costed again after this many steps
     RUN_DECAY = 0.98  # per observed drafting run: their mean follows the traffic over ~50 runs
@@ -97,6 +96,7 @@ class RowDraftLengths:
         self.runs = self.run_steps = 0.0  # the drafting runs that followed a reading: decayed count and steps
         self.pool = Acceptance(1.0, 1.0)  # pooled over requests (a Beta(1, 1) prior)
         self.by_age: dict[int, Acceptance] = {}  # pooled over requests' proposals by their age (`age_band`)
+        self.spread = Spread()  # how far requests' rates spread: the weight of a request's prior
         self.steps = 0  # steps whose time was measured
         self.since_draft = 0  # steps since the last one that drafted
         self.since_alone = 0  # drafting steps since the last one that drafted nothing
@@ -160,7 +160,13 @@ class RowDraftLengths:
 
     def forget(self, request: Acceptance) -> None:
         """A request has left (ended, aborted, or its state dropped): its drafting run, if any, has ended (and
-        counts where the policy chose one of its steps)."""
+        counts where the policy chose one of its steps); its acceptance joins the requests' spread (`Spread`)."""
+        self._end_run(request)
+        self.spread.observe(request.accepted, request.accepted + request.rejected)
+        request.accepted = request.rejected = 0  # counted once
+
+    def _end_run(self, request: Acceptance) -> None:
+        """A request's drafting run has ended (it left, or its draft reads again after steps without drafting)."""
         if request.run > 0 and request.run_chosen:
             self.observe_run(request.run)
         request.run, request.run_chosen = 0, False
@@ -216,7 +222,8 @@ class RowDraftLengths:
         priors = {}
         for band, seen in self.by_age.items():
             priors[band] = seen.rate(pooled, self.BAND_WEIGHT)
-        return [min(r.rate(priors.get(age_band(r.age), pooled), self.PRIOR_WEIGHT), 0.999) for r in requests]
+        weight = self.spread.weight()
+        return [min(r.rate(priors.get(age_band(r.age), pooled), weight), 0.999) for r in requests]
 
     def lengths(self, requests: Sequence[Acceptance], rows: int, ways: tuple[str, ...] = ("batched",),
                 full: bool = True) -> list[int]:
@@ -359,7 +366,7 @@ class RowDraftLengths:
                 # a reading after steps without drafting ends the run that followed the last one (a new request's
                 # reading, or a long text read a chunk a step, goes on with its run)
                 if self.costs.reads(request.unread) and request.idle > 0 and request.run > 0:
-                    self.forget(request)
+                    self._end_run(request)
                 request.run += 1
                 request.run_chosen = request.run_chosen or (chose == "drafting" and not self.probed)
             self._age(request, length)
