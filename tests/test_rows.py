@@ -880,3 +880,32 @@ def test_a_proposal_is_priced_by_what_it_added_to_the_steps_without_proposals_ju
     assert costs.step(1, 0) == pytest.approx(0.025)
     assert costs.step(1, 1) - costs.step(1, 0) == pytest.approx(0.003, rel=0.01)
     assert plane(1, 1) - plane(1, 0) == 0.0  # the control
+
+
+def test_steps_observed_later_are_costed_as_if_observed_at_once():
+    """A skipped step's costing waits for the policy's next choice (`observe_step_later`): the costs, the arms and
+    the choice then equal those of a policy told each step at once, the call before each step included."""
+    now, later = RowDraftLengths(3), RowDraftLengths(3)
+    rng = random.Random(2)
+    requests = [Acceptance(successes=5.0, failures=5.0) for _ in range(2)]
+    for step in range(60):
+        seconds, call = 0.02 + 0.002 * rng.random(), 1e-4 * rng.random()
+        proposals = 2 if step % 7 == 0 else 0
+        for policy in (now, later):
+            policy.costs.observe_call(2, 2 if proposals else 0, 1 if proposals else 0, call + 0.003 * (proposals > 0))
+            if proposals or step % 5 == 0:
+                policy.observe_step(2, proposals, seconds, 2 + proposals)
+                policy.lengths(deepcopy(requests), 2)
+            elif policy is now:
+                policy.observe_step(2, 0, seconds, 2)
+            else:
+                policy.observe_step_later(2, 0, seconds, 2)
+            policy.observe_time(2, seconds, call)
+    assert later.later  # the last quiet steps wait
+    assert later.lengths(deepcopy(requests), 2) == now.lengths(deepcopy(requests), 2)
+    assert not later.later
+    assert later.costs.target.points == now.costs.target.points
+    assert later.costs.extra.points == now.costs.extra.points
+    assert now.measured[2].alone  # the arms were fed
+    assert {rows: list(m.alone) for rows, m in later.measured.items()} == \
+        {rows: list(m.alone) for rows, m in now.measured.items()}

@@ -217,13 +217,13 @@ def test_the_measured_arms_are_told_each_steps_committed_ids(ja_target, heldout_
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
     proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
     seen = []
-    observe = RowDraftLengths.observe_step
+    observe = RowDraftLengths._observe_step  # where every step is costed, at once or later (a skipped one)
 
     def record(self, rows, proposals, seconds, tokens=None):
         seen.append((rows, proposals, tokens))
         return observe(self, rows, proposals, seconds, tokens)
 
-    monkeypatch.setattr(RowDraftLengths, "observe_step", record)
+    monkeypatch.setattr(RowDraftLengths, "_observe_step", record)
     Engine(model, proposer, prompts, 24).run()
     known = [(rows, p, tokens) for rows, p, tokens in seen if tokens is not None]
     assert len(known) > 0.8 * len(seen)
