@@ -24,18 +24,20 @@ repaid: `b8-steps/output-why-real.txt`). So each step charges a request's readin
 the reading at the step's rate. A new request is read where one step repays it; where none would, it waits until it
 has lived longer or a probe reads it.
 
-Acceptance is learned per request from what vLLM accepted of its last proposal. A request starts from the rate
-pooled over earlier requests' proposals made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ...
-committed ids; a band leans on the rate pooled over all ages until it has its own evidence): how well a draft
-follows depends on where in its text a request is, and a batch's new requests are accepted far less than the long
-answers that make most of the proposals (at 4-8 requests on the fixtures, a rate pooled over all ages predicted
-1.5-2x the tokens realized: `b8-steps/output-why.txt`). A request that has not drafted for a while drifts back to
-its age's pooled rate (its own evidence fades), so it is tried again. While nothing is drafted, one request in one
-step in `alone_run` drafts (a probe, on `policy.Fallback`'s schedule: 2 steps, doubled after each probe that loses,
-up to 16, or more where a probe costs more than 0.5% of the steps between probes; the request that has waited
-longest; and only while the probes so far and one more, at the last one's cost, stay within 0.5% of the time
-served); while drafting pays, one step in `Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost
-without proposals stays measured.
+Acceptance is learned per request from what vLLM accepted of its last proposal. A request starts from the rate pooled
+over earlier requests' proposals made at its age (in bands of doubling length: 1, 2-3, 4-7, 8-15, ... committed ids; a
+band leans on the rate pooled over all ages until it has its own evidence): how well a draft follows depends on where
+in its text a request is, and a batch's new requests are accepted far less than the long answers that make most of the
+proposals (at 4-8 requests on the fixtures, a rate pooled over all ages predicted 1.5-2x the tokens realized:
+`b8-steps/output-why.txt`). Its own evidence is weighed against that prior by how far the rates of the requests served
+have spread (`measures.Spread`, empirical Bayes): where requests are alike, a request accepted in its first few
+proposals is still taken near the pool (on a prior worth two trials, requests chosen at a per-token rate of 0.43 at
+T=0.7 were accepted at 0.26). A request that has not drafted for a while drifts back to its age's pooled rate (its own
+evidence fades), so it is tried again. While nothing is drafted, one request in one step in `alone_run` drafts (a
+probe, on `policy.Fallback`'s schedule: 2 steps, doubled after each probe that loses, up to 16, or more where a probe
+costs more than 0.5% of the steps between probes; the request that has waited longest; and only while the probes so
+far and one more, at the last one's cost, stay within 0.5% of the time served); while drafting pays, one step in
+`Fallback.PROBE_ALONE_EVERY` drafts nothing, so that the target's cost without proposals stays measured.
 
 Where nothing is chosen to draft at a size (by the model, its margin, or the measurement below), the choice is
 costed again every `RECHECK` steps at that size, not at each: without proposals nothing it learns can change it
