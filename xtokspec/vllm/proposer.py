@@ -118,6 +118,7 @@ class TextBridgeProposer:
         # how many ids each request drafts at each step, 0..K, from measured costs and acceptance (decode.rows)
         self.policy = self.kept.row_lengths(self.k, settings.adaptive)
         self._last_end: float | None = None  # when the last propose call returned
+        self._committing: list[RequestDraft] = []  # requests that drafted and have not committed since
         self._last_step = 0, 0  # the requests and the proposals the step after it verifies
         self._last_rows = -1  # the rows of the last call that matched them (a skipped call's are the same)
         self._last_total = -1  # the ids of the last call's rows, summed
@@ -147,6 +148,7 @@ class TextBridgeProposer:
         """A dropped request's static cache goes to the next new request (its buffers, graphs recorded on them);
         its drafting run, if any, has ended (the policy's measure of how long drafting lasts after a reading)."""
         self.policy.forget(request.acceptance)
+        request.drafted = []  # nothing left to commit (`_committing`)
         if request.state is not None:  # a request that never drafted has no cache
             self.kept.release(request.state, keep=self.table.max_states)
 
@@ -199,9 +201,11 @@ class TextBridgeProposer:
             self._last_total = total
             return self._skip(sampled_token_ids)
         self._last_total = total
+        if any(draft.drafted for draft in self._committing):  # their drafts commit what vLLM did (torch)
+            with torch.inference_mode():
+                return self._match_and_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         return self._match_and_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
 
-    @torch.inference_mode()
     def _match_and_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         """Match the rows to their requests (the step before is timed on the way), let the policy choose each
         request's length, draft them (batched and one at a time), and keep what the call cost."""
@@ -233,7 +237,17 @@ class TextBridgeProposer:
         self.stats.rows += len(candidates)
         self.stats.drafting_rows += sum(x > 0 for x in lengths)
         out: list[list[int]] = [[] for _ in rows]
-        together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
+        if any(lengths):
+            with torch.inference_mode():
+                together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
+        else:  # nothing to draft: no torch call (a cache-cold one costs 20-50 us after the target's forward)
+            together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
+        # the requests whose drafts hold drafted ids until their next commit (`RequestDraft.advance`)
+        committing = {id(d): d for d in self._committing if d.drafted}
+        for (_, entry, _), x in zip(candidates, lengths, strict=True):
+            if x and entry.payload is not None and entry.payload.drafted:
+                committing[id(entry.payload)] = entry.payload
+        self._committing = list(committing.values())
         for r, entry, _ in candidates:
             if entry.payload is not None:
                 entry.payload.proposed = out[r]

@@ -4,8 +4,9 @@ and stepped in turn over the same prompts at batch 1 (32 prompts x up to 64 toke
 with each engine's steps profiled apart (cProfile) -> the functions whose time differs most. A copy of
 `../../../epyc-avx2/vllm-adaptive/spec-path/null_profile.py` with the system a parameter.
 
-    python benchmarks/results/epyc-avx512bf16/vllm-adaptive/fixtures-t07-spread/quiet_profile.py [SYSTEM]
-    (env as vllm_bench.py's, one core)
+    python benchmarks/results/epyc-avx512bf16/vllm-adaptive/fixtures-t07-spread/quiet_profile.py [SYSTEM] [--quiet]
+    (env as vllm_bench.py's, one core; --quiet: xtokspec's policy never chooses to draft, so that its steps are
+    the quiet ones but for the cold start's and the probes')
 """
 
 import cProfile
@@ -16,8 +17,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[5]
-SYSTEM = sys.argv[1] if len(sys.argv) > 1 else "xtokspec"
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+SYSTEM = ARGS[0] if ARGS else "xtokspec"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+if "--quiet" in sys.argv:  # drafting never pays: only the cold start's and the probes' proposals, the rest quiet
+    from xtokspec.decode.stepcosts import StepCosts
+
+    StepCosts.may_pay = lambda self, *args, **kwargs: False
 import vllm_bench as vb  # noqa: E402
 
 for key, value in vb.ENV.items():
