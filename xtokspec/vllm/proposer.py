@@ -192,9 +192,9 @@ class TextBridgeProposer:
         """One call: a step the policy knows drafts nothing is skipped (`_skip`), else `_match_and_draft`."""
         n = len(sampled_token_ids)
         # NOTE: a quiet step adds one id to every row: ids summed otherwise mean a request left and another came
-        # (its prefill in the step, its row unknown), which the full call sees. No torch or NumPy call on this
-        # path: after the target's forward each costs 20-50 us of a 6-ms step (cold caches, measured on an
-        # AVX512-BF16 EPYC: torch's inference mode 33 us, np.sum 32, a list's sum 6), most of a quiet call
+        # (its prefill in the step, its row unknown), which the full call sees. No torch call and one NumPy call
+        # (the counts' tolist) on this path: after the target's forward each such call is cache-cold, 20-50 us of a
+        # 6-ms step (AVX512-BF16 EPYC: torch's inference mode 33 us, np.sum 32; a list's sum 6), most of a quiet call
         total = sum(num_tokens_no_spec[:n].tolist())
         if n == self._last_rows and not self._last_step[1] and total == self._last_total + n \
                 and self.policy.quiet_ahead() and all(sampled_token_ids):
