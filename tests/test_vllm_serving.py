@@ -167,17 +167,35 @@ def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_a
         ja_target, heldout_prompts, monkeypatch):
     """Where the model chooses no drafting (here it never predicts a gain), the steps until it costs the choice
     again skip matching rows (`RowDraftLengths.quiet_ahead`): the requests are found again after them (one entry
-    each, never a new one), probes still draft on their schedule, and the output is the target's."""
+    each, never a new one), probes still draft on their schedule, and the output is the target's. A skipped call
+    enters no torch inference mode (after the target's forward a torch call is cache-cold, 20-50 us of a 6-ms step:
+    BENCHMARKS.md, "vLLM"); the calls that draft do (the count's control)."""
     model, tokenizer = ja_target
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
     proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
     monkeypatch.setattr(proposer.policy.costs, "may_pay", lambda *args, **kwargs: False)
     monkeypatch.setattr(proposer.policy, "PROBE_BUDGET", 1.0)  # probes on their schedule, whatever they cost
+    entered, by_call = [], {"skipped": 0, "drafted": 0}
+    inference_mode = torch.inference_mode
+    monkeypatch.setattr(torch, "inference_mode", lambda *args, **kwargs: entered.append(1) or inference_mode(*args, **kwargs))
+    propose = proposer.propose
+
+    def counted(*args, **kwargs):
+        skipped, proposed, before = proposer.stats.skipped, proposer.stats.proposed, len(entered)
+        out = propose(*args, **kwargs)
+        if proposer.stats.skipped > skipped:
+            by_call["skipped"] += len(entered) - before
+        elif proposer.stats.proposed > proposed:
+            by_call["drafted"] += len(entered) - before
+        return out
+
+    monkeypatch.setattr(proposer, "propose", counted)
     out = Engine(model, proposer, prompts, 48).run()
     for n, prompt in enumerate(prompts):
         assert out[n] == greedy(model, prompt, 48), n
     stats = proposer.stats
     assert stats.skipped >= 0.4 * stats.calls, (stats.skipped, stats.calls)
+    assert by_call["skipped"] == 0 and by_call["drafted"] > 0, by_call
     assert proposer.table.created == len(prompts)  # every request kept its entry across the skipped steps
     assert proposer.policy.probes >= 2 and stats.proposed > 0
 
