@@ -177,7 +177,8 @@ def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_a
     monkeypatch.setattr(proposer.policy, "PROBE_BUDGET", 1.0)  # probes on their schedule, whatever they cost
     entered, by_call = [], {"skipped": 0, "drafted": 0}
     inference_mode = torch.inference_mode
-    monkeypatch.setattr(torch, "inference_mode", lambda *args, **kwargs: entered.append(1) or inference_mode(*args, **kwargs))
+    monkeypatch.setattr(torch, "inference_mode",
+                        lambda *args, **kwargs: entered.append(1) or inference_mode(*args, **kwargs))
     propose = proposer.propose
 
     def counted(*args, **kwargs):
