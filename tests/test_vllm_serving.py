@@ -168,8 +168,8 @@ def test_quiet_steps_the_policy_knows_of_leave_rows_unmatched_and_the_requests_a
     """Where the model chooses no drafting (here it never predicts a gain), the steps until it costs the choice
     again skip matching rows (`RowDraftLengths.quiet_ahead`): the requests are found again after them (one entry
     each, never a new one), probes still draft on their schedule, and the output is the target's. A skipped call
-    enters no torch inference mode (after the target's forward a torch call is cache-cold, 20-50 us of a 6-ms step:
-    BENCHMARKS.md, "vLLM"); the calls that draft do (the count's control)."""
+    enters no torch inference mode (right after the target's forward a torch call runs cache-cold: BENCHMARKS.md,
+    "vLLM"); the calls that draft do (the count's control)."""
     model, tokenizer = ja_target
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts[4:8]]
     proposer = TextBridgeProposer(fake_vllm_config(MODELS / "ja-draft-bpe", extra={"xtokspec_adaptive": True}))
@@ -238,9 +238,9 @@ def test_the_measured_arms_are_told_each_steps_committed_ids(ja_target, heldout_
     seen = []
     observe = RowDraftLengths._observe_step  # where every step is costed, at once or later (a skipped one)
 
-    def record(self, rows, proposals, seconds, tokens=None):
+    def record(self, rows, proposals, seconds, tokens, call):
         seen.append((rows, proposals, tokens))
-        return observe(self, rows, proposals, seconds, tokens)
+        return observe(self, rows, proposals, seconds, tokens, call)
 
     monkeypatch.setattr(RowDraftLengths, "_observe_step", record)
     Engine(model, proposer, prompts, 24).run()

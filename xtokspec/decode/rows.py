@@ -90,7 +90,8 @@ class RowDraftLengths:
     MARGIN = 0.05
     BAND_WEIGHT = 2.0  # an age band's pooled rate leans on the rate pooled over all ages by this many proposals
     # where nothing pays at a size, the choice is costed again after this many steps: a costing call matches every
-    # row (0.2 ms on a 6-ms step of the fixture target, AVX512-BF16 EPYC), a skipped one does not (0.03 ms)
+    # row, a skipped one does not, and on a short target step the costing calls were most of the proposer's time
+    # (BENCHMARKS.md, "vLLM", AVX512-BF16 EPYC)
     RECHECK = 8
     RUN_DECAY = 0.98  # per observed drafting run: their mean follows the traffic over ~50 runs
 
@@ -126,26 +127,25 @@ class RowDraftLengths:
 
     # -------------------------------------------------------------------------------- what was measured
     def observe_step_later(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
-        """`observe_step`, kept until the policy next chooses or observes (as it would have run now): a quiet
-        step's caller returns at once. Its costing after a target's forward is a cache-cold 25-30 us of a 6-ms
-        step; kept, the steps between two choices are costed together, most of them warm."""
+        """`observe_step`, kept until the policy next chooses or observes (as it would have run now, with the call
+        before it): a quiet step's caller returns at once. Costed right after a target's forward, a step is costed
+        cache-cold; kept, the steps between two choices are costed together, most of them warm."""
         self.later.append((rows, proposals, seconds, tokens, self.last_call))
 
     def _observe_later(self) -> None:
         later, self.later = self.later, []
-        call = self.last_call
-        for rows, proposals, seconds, tokens, self.last_call in later:
-            self._observe_step(rows, proposals, seconds, tokens)
-        self.last_call = call
+        for step in later:
+            self._observe_step(*step)
 
     def observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None = None) -> None:
         """A step (no prefill in it) of `rows` requests that verified `proposals` took `seconds` and committed
         `tokens` (None: not known)."""
         if self.later:
             self._observe_later()
-        self._observe_step(rows, proposals, seconds, tokens)
+        self._observe_step(rows, proposals, seconds, tokens, self.last_call)
 
-    def _observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None) -> None:
+    def _observe_step(self, rows: int, proposals: int, seconds: float, tokens: int | None, call: float) -> None:
+        """`observe_step`, `call` the proposer's call before the step (the arms count it with the step)."""
         if rows <= 0:
             return
         counted = self.costs.observe_step(rows, proposals, seconds)
@@ -155,7 +155,7 @@ class RowDraftLengths:
         if not counted:
             return
         if tokens is not None and (self.chose, proposals > 0) in (("drafting", True), ("alone", False)):
-            self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + self.last_call,
+            self.measured.setdefault(rows, Measured()).observe(proposals > 0, tokens, seconds + call,
                                                                self.added if proposals else None)
 
     def startup(self, request: Acceptance) -> float:

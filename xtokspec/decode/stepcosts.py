@@ -68,9 +68,9 @@ class StepCosts:
     def __init__(self, cap: int):
         self.cap = cap
         # a step without proposals, by requests; its recent median is the level proposals are priced against
-        # (`observe_step`), so more samples than a size of rarer steps keeps: they are most steps (32 are half a
-        # second at one request), and the median of 8 rose by 1.4 ms (of 16) where a few slow steps fell in them,
-        # and a proposal's 2.7 ms was priced at 1.3 (BENCHMARKS.md, "vLLM", the T=0.7 runs)
+        # (`observe_step`), so more samples than a size of rarer steps keeps: they are most steps (32 stay recent),
+        # and a median of 8 moved with a few slow steps among them and underpriced proposals (BENCHMARKS.md,
+        # "vLLM", the T=0.7 runs)
         self.target = LinearCosts(1, samples=self.QUIET_SAMPLES)
         # a step's seconds beyond the steps without proposals at its size as they ran just before it (`observe_step`),
         # by (requests, proposals verified)

@@ -46,6 +46,7 @@ however many requests pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -193,18 +194,17 @@ class TextBridgeProposer:
         n = len(sampled_token_ids)
         # NOTE: a quiet step adds one id to every row: ids summed otherwise mean a request left and another came
         # (its prefill in the step, its row unknown), which the full call sees. No torch call and one NumPy call
-        # (the counts' tolist) on this path: after the target's forward each such call is cache-cold, 20-50 us of a
-        # 6-ms step (AVX512-BF16 EPYC: torch's inference mode 33 us, np.sum 32; a list's sum 6), most of a quiet call
+        # (the counts' tolist) on this path: right after the target's forward each such call runs cache-cold, and
+        # on a short target step they were most of a quiet call (BENCHMARKS.md, "vLLM", AVX512-BF16 EPYC)
         total = sum(num_tokens_no_spec[:n].tolist())
         if n == self._last_rows and not self._last_step[1] and total == self._last_total + n \
                 and self.policy.quiet_ahead() and all(sampled_token_ids):
             self._last_total = total
             return self._skip(sampled_token_ids)
         self._last_total = total
-        if any(draft.drafted for draft in self._committing):  # their drafts commit what vLLM did (torch)
-            with torch.inference_mode():
-                return self._match_and_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        return self._match_and_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        # requests that drafted last commit what vLLM did with it in their drafts (torch)
+        with torch.inference_mode() if any(d.drafted for d in self._committing) else contextlib.nullcontext():
+            return self._match_and_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
 
     def _match_and_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         """Match the rows to their requests (the step before is timed on the way), let the policy choose each
@@ -237,10 +237,8 @@ class TextBridgeProposer:
         self.stats.rows += len(candidates)
         self.stats.drafting_rows += sum(x > 0 for x in lengths)
         out: list[list[int]] = [[] for _ in rows]
-        if any(lengths):
-            with torch.inference_mode():
-                together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
-        else:  # nothing to draft: no torch call (a cache-cold one costs 20-50 us after the target's forward)
+        # nothing to draft: no torch call (cache-cold after the target's forward, as on the skipped path)
+        with torch.inference_mode() if any(lengths) else contextlib.nullcontext():
             together, alone, prefilled, forwards, k = self.drafts.draft(candidates, lengths, out, call_start)
         # the requests whose drafts hold drafted ids until their next commit (`RequestDraft.advance`)
         committing = {id(d): d for d in self._committing if d.drafted}
@@ -301,8 +299,8 @@ class TextBridgeProposer:
         """A step the policy knows drafts nothing (`RowDraftLengths.quiet_ahead`: the same rows as the last call,
         which proposed nothing, each one id longer): no row is matched to its request, and the
         next call matches them with the ids they gained meanwhile (one a step: the table looks that far back).
-        The step before is timed as any other (and costed at the policy's next choice: `observe_step_later`); the requests
-        of the last call age as quiet steps age them."""
+        The step before is timed as any other (and costed at the policy's next choice: `observe_step_later`); the
+        requests of the last call age as quiet steps age them."""
         start = time.perf_counter()
         interval = None if self._last_end is None else start - self._last_end
         if interval is not None and self._last_step[0] == len(sampled_token_ids):
